@@ -1,0 +1,74 @@
+# visor: `make run` (install, start core + gateway, show them answering) and `make test`.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/pip
+STAMP := $(VENV)/.installed
+DEBIAN_DEV := libjpeg-dev zlib1g-dev libpng-dev libwebp-dev libtiff-dev libfreetype-dev
+MODEL := models/demo
+PIP_QUIET := --quiet --disable-pip-version-check
+
+.PHONY: install run demo test protos lint bench clean interop debian-dev
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@$(PIP) install $(PIP_QUIET) --upgrade pip
+	@$(MAKE) --no-print-directory debian-dev
+	$(PIP) install $(PIP_QUIET) torch==2.13.0
+	@if $(PIP) install $(PIP_QUIET) "pillow-simd>=9.5"; then \
+	  $(PIP) install $(PIP_QUIET) -e '.[gateway,core,dev]'; \
+	else \
+	  echo "WARNING: pillow-simd could not be built; falling back to Pillow (slower resizing)." >&2; \
+	  $(PIP) install $(PIP_QUIET) Pillow && $(PIP) install $(PIP_QUIET) -e '.[core,dev]'; \
+	fi
+	@$(MAKE) --no-print-directory interop
+	@touch $@
+
+# pillow-simd compiles against these; installed only when root and missing.
+debian-dev:
+	@missing=$$(for p in $(DEBIAN_DEV); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing $$missing"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) >/dev/null \
+	      || echo "WARNING: apt-get could not install $$missing" >&2; \
+	  else \
+	    echo "WARNING: missing $$missing (not root): pillow-simd may not build" >&2; \
+	  fi; \
+	fi
+
+# The Node client used by the interop test (a second toolchain over the same .proto files).
+interop:
+	@if command -v npm >/dev/null; then \
+	  (cd tests/interop && npm ci --silent --no-audit --no-fund) \
+	    || echo "WARNING: npm ci failed; the Node interop test will skip" >&2; \
+	else echo "WARNING: npm not found; the Node interop test will skip" >&2; fi
+
+protos: $(STAMP)
+	$(BIN)/python -m shared.protogen
+
+$(MODEL)/config.json: | $(STAMP)
+	$(BIN)/visor model init-demo --out $(MODEL)
+
+run: $(STAMP) protos $(MODEL)/config.json
+	$(BIN)/visor demo --model $(MODEL) --serve
+
+demo: $(STAMP) protos $(MODEL)/config.json
+	$(BIN)/visor demo --model $(MODEL)
+
+test: $(STAMP) protos $(MODEL)/config.json
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy gateway core shared
+
+bench: $(STAMP) protos $(MODEL)/config.json
+	$(BIN)/visor bench wire
+
+clean:
+	rm -rf $(VENV) shared/pb .pytest_cache .mypy_cache .ruff_cache tests/interop/node_modules .visor

@@ -1,0 +1,1 @@
+"""Compact LLaVA-architecture modules whose parameter names follow the llava-hf checkpoints."""

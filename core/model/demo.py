@@ -1,0 +1,109 @@
+"""Builds the demo checkpoint: a small LLaVA (CLIP ViT + projector + Llama) in llava-hf layout,
+with a byte-level BPE tokenizer trained here. Fixed seed, no download. Its weights are random, so
+its answers are noise until the quality work trains it."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from torch import nn
+
+from core.model import config as model_config
+from core.model.llava import Llava, save
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'][-1]['text'] + '\\n' }}"
+    "{% else %}{{ message['role'].upper() }}: "
+    "{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<image>\\n' }}{% else %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+PRESETS: dict[str, dict[str, Any]] = {
+    "demo": {
+        "vision": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "image_size": 224, "patch_size": 16},
+        "text": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2},
+        "vocab_size": 512,
+    },
+}  # fmt: skip
+_WORDS = (
+    "a an the is are of in on left right above below next to what how many which colour color "
+    "red green blue yellow black white orange purple circle square triangle star shape shapes "
+    "number word written image picture photo there one two three four five six seven eight nine "
+    "zero ten yes no small large big it this that describe see do you USER ASSISTANT SYSTEM"
+).split()
+
+
+def _corpus() -> list[str]:
+    lines = [" ".join(p) for p in itertools.permutations(_WORDS[:24], 3)][:4000]
+    lines += [f"{w} {i}" for w in _WORDS for i in range(10)]
+    lines.append("".join(chr(c) for c in range(32, 127)))
+    return lines
+
+
+def build_tokenizer(vocab_size: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)  # fmt: skip
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return tok
+
+
+def build(out: Path, preset: str = "demo", seed: int = 0) -> Path:
+    """Writes config.json, preprocessor/tokenizer configs, tokenizer.json and model.safetensors."""
+    spec = PRESETS[preset]
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(spec["vocab_size"])
+    tok.save(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    raw = {
+        "architectures": ["LlavaForConditionalGeneration"],
+        "model_type": "llava",
+        "image_token_index": ids["<image>"],
+        "projector_hidden_act": "gelu",
+        "vision_feature_layer": -2,
+        "vision_feature_select_strategy": "default",
+        "vision_config": {"model_type": "clip_vision_model", "hidden_act": "quick_gelu",
+                          "layer_norm_eps": 1e-5, **spec["vision"]},
+        "text_config": {"model_type": "llama", "vocab_size": tok.get_vocab_size(),
+                        "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+                        "rope_theta": 10000.0, "tie_word_embeddings": False,
+                        "bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"],
+                        "pad_token_id": ids["<pad>"], **spec["text"]},
+        "tie_word_embeddings": False,
+        "visor_demo": {"preset": preset, "seed": seed, "trained": False},
+    }  # fmt: skip
+    pre = {"image_mean": [0.48145466, 0.4578275, 0.40821073],
+           "image_std": [0.26862954, 0.26130258, 0.27577711],
+           "size": {"shortest_edge": spec["vision"]["image_size"]},
+           "crop_size": {"height": spec["vision"]["image_size"],
+                         "width": spec["vision"]["image_size"]}}  # fmt: skip
+    tok_cfg = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+               "pad_token": "<pad>", "add_bos_token": True, "chat_template": CHAT_TEMPLATE,
+               "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 8192}  # fmt: skip
+    for name, data in (("config.json", raw), ("preprocessor_config.json", pre),
+                       ("tokenizer_config.json", tok_cfg)):  # fmt: skip
+        (out / name).write_text(json.dumps(data, indent=2) + "\n")
+    torch.manual_seed(seed)
+    model = Llava(model_config.parse(raw, pre))
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv2d)):
+            nn.init.normal_(module.weight, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+    save(model, out / "model.safetensors")
+    return out

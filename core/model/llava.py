@@ -1,0 +1,145 @@
+"""LLaVA: vision tower + projector + decoder, loaded from a llava-hf checkpoint directory."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from core.model import config as model_config
+from core.model.config import LlavaConfig
+from core.model.layers import activation
+from core.model.text import Decoder, KVCache
+from core.model.vision import VisionTower
+
+# Checkpoint prefixes (legacy llava-hf and transformers >= 4.52) -> this module's names.
+_PREFIXES = (
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.language_model.", "language_model."),
+    ("language_model.model.", "language_model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_IGNORED_SUFFIXES = ("position_ids", "rotary_emb.inv_freq")
+_ENCODER_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+
+
+class Projector(nn.Module):
+    def __init__(self, cfg: LlavaConfig) -> None:
+        super().__init__()
+        width = cfg.vision.hidden_size * len(cfg.vision_feature_layers)
+        self.linear_1 = nn.Linear(width, cfg.text.hidden_size, bias=cfg.projector_bias)
+        self.act = activation(cfg.projector_act)
+        self.linear_2 = nn.Linear(cfg.text.hidden_size, cfg.text.hidden_size,
+                                  bias=cfg.projector_bias)  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class Llava(nn.Module):
+    def __init__(self, cfg: LlavaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.vision_tower = VisionTower(cfg.vision)
+        self.multi_modal_projector = Projector(cfg)
+        self.language_model = Decoder(cfg.text)
+        self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)builds the derived, non-persistent buffers; needed after loading on `meta`."""
+        mean = torch.tensor(self.cfg.image_mean).view(1, 3, 1, 1)
+        std = torch.tensor(self.cfg.image_std).view(1, 3, 1, 1)
+        # uint8 -> normalised float in one affine step, fused ahead of the patch embedding.
+        self.register_buffer("pixel_scale", 1.0 / (255.0 * std), persistent=False)
+        self.register_buffer("pixel_shift", -mean / std, persistent=False)
+        self.language_model.rotary.reset_buffers()
+
+    def normalize(self, pixels_u8: torch.Tensor) -> torch.Tensor:
+        return pixels_u8.float() * self.pixel_scale + self.pixel_shift
+
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(tiles, 3, H, W) normalised pixels -> (tiles, tokens_per_tile, text_hidden) features."""
+        num_layers = self.cfg.vision.num_layers
+        indices = [i if i >= 0 else num_layers + 1 + i for i in self.cfg.vision_feature_layers]
+        states = self.vision_tower.vision_model.hidden_states(pixels, upto=max(indices))
+        feats = torch.cat([states[i] for i in indices], dim=-1)
+        if self.cfg.drop_class_token:
+            feats = feats[:, 1:]
+        return self.multi_modal_projector(feats)
+
+    def embed(self, token_ids: torch.Tensor, image_features: torch.Tensor | None) -> torch.Tensor:
+        """Token embeddings with image-token positions replaced by image features, in order."""
+        is_image = token_ids == self.cfg.image_token_id
+        safe_ids = token_ids.masked_fill(is_image, 0)
+        embeds = self.language_model.embed_tokens(safe_ids)
+        num_image = int(is_image.sum())
+        if num_image:
+            if image_features is None or image_features.shape[0] != num_image:
+                have = 0 if image_features is None else image_features.shape[0]
+                raise ValueError(f"{num_image} image tokens but {have} image feature rows")
+            embeds = embeds.masked_scatter(is_image[:, None], image_features.to(embeds.dtype))
+        return embeds
+
+    def forward_tokens(self, embeds: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits of the last position after running `embeds` through the decoder."""
+        hidden = self.language_model(embeds, cache)
+        return self.lm_head(hidden[-1:]).float()[0]
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.cfg.text.num_layers)
+
+    def encoder_digest(self) -> str:
+        """SHA-256 over the encoder's (vision tower + projector) weights, in name order."""
+        digest = hashlib.sha256()
+        for name, tensor in sorted(self.state_dict().items()):
+            if name.startswith(_ENCODER_PREFIXES):
+                digest.update(name.encode())
+                digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+        return digest.hexdigest()
+
+
+def canonical_name(name: str) -> str | None:
+    """A checkpoint tensor's name in this module, or None for tensors that are not parameters."""
+    if name.endswith(_IGNORED_SUFFIXES) or ".head." in name:
+        return None
+    for old, new in _PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def load(model_dir: Path) -> Llava:
+    cfg = model_config.load(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        for name, tensor in load_file(str(path)).items():
+            canonical = canonical_name(name)
+            if canonical is not None:
+                state[canonical] = tensor
+    if "lm_head.weight" not in state and cfg.text.tie_word_embeddings:
+        state["lm_head.weight"] = state["language_model.embed_tokens.weight"]
+    with torch.device("meta"):
+        model = Llava(cfg)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.reset_buffers()
+    return model.float().eval()
+
+
+def save(model: Llava, path: Path) -> None:
+    """Writes the weights in the legacy llava-hf layout that public checkpoints use."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("language_model."):
+            name = "language_model.model." + name[len("language_model.") :]
+        elif name.startswith("lm_head."):
+            name = "language_model." + name
+        out[name] = tensor.contiguous()
+    save_file(out, str(path), metadata={"format": "pt"})

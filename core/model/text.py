@@ -1,0 +1,138 @@
+"""The language model: a Llama- or Qwen2-style decoder with a contiguous per-sequence KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.model.config import TextConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        steps = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
+        self.register_buffer("inv_freq", 1.0 / (self.theta**steps), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class KVCache:
+    """Keys and values of one sequence, per layer: (kv_heads, length, head_dim)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        k = self.keys[0]
+        return 0 if k is None else int(k.shape[1])
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        old_k, old_v = self.keys[layer], self.values[layer]
+        if old_k is not None and old_v is not None:
+            k, v = torch.cat([old_k, k], dim=1), torch.cat([old_v, v], dim=1)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=cfg.kind == "llama" and bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                layer: int) -> torch.Tensor:  # fmt: skip
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim).transpose(0, 1)
+        k = self.k_proj(x).view(n, self.num_kv, self.head_dim).transpose(0, 1)
+        v = self.v_proj(x).view(n, self.num_kv, self.head_dim).transpose(0, 1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        k, v = cache.append(layer, k, v)
+        past = k.shape[1] - n
+        mask = None
+        if n > 1:
+            # Query i sits at position past+i and sees keys 0..past+i.
+            mask = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
+        out = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                             attn_mask=mask, enable_gqa=self.num_kv != self.num_heads)  # fmt: skip
+        return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj, self.up_proj = nn.Linear(h, i, bias=False), nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                layer: int) -> torch.Tensor:  # fmt: skip
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """`model` of a LlamaForCausalLM / Qwen2ForCausalLM (the lm_head lives beside it)."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+    def forward(self, embeds: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Runs (tokens, hidden) embeddings after what `cache` holds; returns normed hidden states."""
+        start = cache.length
+        positions = torch.arange(start, start + embeds.shape[0])
+        cos, sin = self.rotary(positions)
+        x = embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i)
+        return self.norm(x)

@@ -1,0 +1,33 @@
+"""Starts the core: load the model, open the gRPC server, serve until a signal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from core.config import CacheConfig, CoreConfig
+from core.engine import Engine
+from core.servicer import CoreServicer
+from shared import logs, metrics, serving
+from shared.proto import core_pb2, core_pb2_grpc
+
+SERVICE = core_pb2.DESCRIPTOR.services_by_name["Core"].full_name
+
+
+async def run(cfg: CoreConfig, cache: CacheConfig) -> None:
+    log = logs.get("core")
+    engine = Engine(Path(cfg.model), cfg.resolved_core_id(), cfg.num_threads)
+    server = serving.new_server()
+    core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine), server)
+    health = serving.add_health_and_reflection(server, [SERVICE])
+    serving.bind(server, cfg.listen)
+    metrics.serve(cfg.metrics_listen)
+    await server.start()
+    await serving.set_serving(health, [SERVICE])
+    log.info("core_started", listen=cfg.listen, model=engine.info.model_id,
+             core_id=engine.info.core_id)  # fmt: skip
+
+    async def close() -> None:
+        engine.close()
+        log.info("core_stopped")
+
+    await serving.serve_until_signal(server, cfg.grace_s, close)

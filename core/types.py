@@ -1,0 +1,69 @@
+"""Values that cross the core's boundary (servicer <-> engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.model.tokenizer import ChatTurn
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_new_tokens: int  # hard cap on generated tokens
+    min_new_tokens: int = 0  # end-of-sequence suppressed before this many tokens
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass
+    top_k: int = 0  # 0 = no top-k filter
+    seed: int = 0  # sampling seed
+    stop: tuple[str, ...] = ()  # stop strings, excluded from the output
+
+
+@dataclass(frozen=True, slots=True)
+class ItemSpec:
+    content_hash: str  # hex SHA-256 of the raw bytes
+    preprocess_version: str  # gateway preprocessing version
+    resolution: int  # tile side in pixels
+    tile_rows: int  # tile grid rows
+    tile_cols: int  # tile grid cols
+    dtype: str  # wire dtype
+    shape: tuple[int, ...]  # (tiles, 3, resolution, resolution)
+
+
+@dataclass(frozen=True, slots=True)
+class InferRequest:
+    tenant: str  # authenticated tenant
+    request_id: str  # for logs and default seeds
+    turns: tuple[ChatTurn, ...]  # the conversation
+    params: SamplingParams  # generation controls
+    items: tuple[ItemSpec, ...]  # media items in order of appearance
+    profile: str  # compression profile
+
+
+@dataclass(frozen=True, slots=True)
+class CoreInfo:
+    core_id: str  # reported as served_by
+    model_id: str  # checkpoint directory name
+    encoder_digest: str  # digest of vision tower + projector weights
+    image_size: int  # encoder input side
+    tokens_per_tile: int  # visual tokens per tile
+    preprocess_version: str  # what the gateway must apply
+    accepted_dtypes: tuple[str, ...]  # wire dtypes accepted
+    image_mean: tuple[float, ...]  # normalisation mean (fused into the encoder for uint8)
+    image_std: tuple[float, ...]  # normalisation std
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    text: str  # new text since the previous delta
+    num_tokens: int  # tokens this delta covers
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    text: str  # the whole output
+    text_tokens: int  # prompt tokens, image tokens excluded
+    visual_tokens_before: int  # encoder output tokens
+    visual_tokens_after: int  # tokens that reached the LLM
+    output_tokens: int  # generated tokens
+    finish_reason: str  # "stop" or "length"
+    timings_ms: dict[str, float] = field(default_factory=dict)  # core-side stages

@@ -1,0 +1,84 @@
+"""The gateway's configuration sections: `[gateway]`, `[limits]` and `[[tenants]]`."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shared.config import ConfigError
+from shared.net import split_host_port
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    listen: str = "127.0.0.1:50051"  # public gRPC address; loopback by default
+    cores: tuple[str, ...] = ("127.0.0.1:50052",)  # core addresses (the first is used for now)
+    metrics_listen: str = "127.0.0.1:9101"  # Prometheus endpoint; empty disables it
+    decode_workers: int = 2  # sandboxed decode processes
+    decode_timeout_s: float = 10.0  # wall clock per decode job before its worker is killed
+    worker_max_jobs: int = 200  # a worker is replaced after this many jobs
+    grace_s: float = 5.0  # how long shutdown waits for requests in flight
+    default_profile: str = "none"  # compression profile when a request names none
+
+    def validate(self) -> None:
+        split_host_port(self.listen)
+        if not self.cores:
+            raise ConfigError("[gateway] cores must name at least one core")
+        for core in self.cores:
+            split_host_port(core)
+        if self.decode_workers < 1 or self.worker_max_jobs < 1 or self.decode_timeout_s <= 0:
+            raise ConfigError("[gateway] decode_workers, worker_max_jobs, decode_timeout_s > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    max_items: int = 8  # media items per request
+    max_item_bytes: int = 20 * MIB  # encoded bytes per item
+    max_request_bytes: int = 48 * MIB  # encoded bytes per request, all items
+    max_prompt_bytes: int = 16 * 1024  # UTF-8 bytes of all text in the request
+    max_new_tokens: int = 512  # cap on GenerationParams.max_new_tokens
+    default_new_tokens: int = 128  # when a request asks for 0
+    max_pixels: int = 7680 * 4320  # pixels per frame, read from the header
+    max_side: int = 16384  # width or height, read from the header
+
+    def validate(self) -> None:
+        for name in self.__slots__:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"[limits] {name} must be >= 1")
+        if self.default_new_tokens > self.max_new_tokens:
+            raise ConfigError("[limits] default_new_tokens must not exceed max_new_tokens")
+        if self.max_item_bytes > self.max_request_bytes:
+            raise ConfigError("[limits] max_item_bytes must not exceed max_request_bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    id: str  # tenant id (logged only hashed)
+    key_sha256: str  # hex SHA-256 of the tenant's API key
+
+    def validate(self) -> None:
+        if not self.id:
+            raise ConfigError("[[tenants]] id must not be empty")
+        if not re.fullmatch(r"[0-9a-f]{64}", self.key_sha256):
+            raise ConfigError("[[tenants]] key_sha256 must be 64 lowercase hex digits")
+
+
+def tenants_from(data: Mapping[str, Any]) -> tuple[Tenant, ...]:
+    rows = data.get("tenants", [])
+    if not isinstance(rows, list):
+        raise ConfigError("tenants must be an array of tables ([[tenants]])")
+    out = []
+    for row in rows:
+        unknown = sorted(set(row) - {"id", "key_sha256"})
+        if unknown:
+            raise ConfigError(f"unknown key(s) in [[tenants]]: {unknown}; known: id, key_sha256")
+        tenant = Tenant(str(row.get("id", "")), str(row.get("key_sha256", "")).lower())
+        tenant.validate()
+        out.append(tenant)
+    if len({t.key_sha256 for t in out}) != len(out):
+        raise ConfigError("two [[tenants]] share one key")
+    return tuple(out)

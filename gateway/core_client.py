@@ -1,0 +1,160 @@
+"""The gateway's side of the Core API: one channel per core, its encoder description cached, and
+the Infer handshake. Translates core_pb2 <-> plain values; failures become VisorErrors."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from gateway.types import Delta, Params, Turn
+from shared.errors import Reason, VisorError
+from shared.proto import core_pb2, core_pb2_grpc
+from shared.status import from_rpc_error
+from shared.wire import chunks
+
+CHANNEL_OPTIONS = [
+    # Reconnect quickly after a core restarts instead of gRPC's default back-off of up to 120 s.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_receive_message_length", 4 * 1024 * 1024),
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """What the core's encoder takes (from Describe)."""
+
+    core_id: str  # the core's id
+    image_size: int  # tile side
+    preprocess_version: str  # version to apply
+    fill: tuple[int, int, int]  # letterbox colour: the encoder's mean in 0..255
+
+
+@dataclass(frozen=True, slots=True)
+class ItemHeader:
+    content_hash: str  # hex SHA-256 of the bytes
+    preprocess_version: str  # preprocessing version
+    resolution: int  # tile side
+    tile_rows: int  # grid rows
+    tile_cols: int  # grid cols
+    shape: tuple[int, ...]  # tensor shape
+
+
+@dataclass(frozen=True, slots=True)
+class CoreRequest:
+    """What the core is told about a request before any pixel."""
+
+    tenant: str  # authenticated tenant
+    request_id: str  # request id
+    turns: tuple[Turn, ...]  # the conversation (media bytes stay here, only counts are sent)
+    params: Params  # generation controls, max_new_tokens resolved
+    items: tuple[ItemHeader, ...]  # one per media item, in order
+    profile: str  # compression profile
+
+
+def _header(req: CoreRequest) -> core_pb2.InferHeader:
+    p = req.params
+    header = core_pb2.InferHeader(
+        tenant=req.tenant, request_id=req.request_id, profile=req.profile,
+        params=core_pb2.CoreGenerationParams(
+            max_new_tokens=p.max_new_tokens, min_new_tokens=p.min_new_tokens,
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+            stop=list(p.stop)),
+    )  # fmt: skip
+    for t in req.turns:
+        header.turns.add(role=t.role, text=t.text, num_images=len(t.media))
+    for item in req.items:
+        header.items.add(content_hash=item.content_hash,
+                         preprocess_version=item.preprocess_version,
+                         resolution=item.resolution, tile_rows=item.tile_rows,
+                         tile_cols=item.tile_cols, dtype="uint8", shape=list(item.shape))  # fmt: skip
+    return header
+
+
+@dataclass(frozen=True, slots=True)
+class CoreFinal:
+    text: str  # the whole answer
+    text_tokens: int  # prompt tokens
+    visual_tokens_before: int  # encoder tokens
+    visual_tokens_after: int  # after compression
+    output_tokens: int  # generated tokens
+    timings_ms: dict[str, float]  # core-side stages
+    core_id: str  # served_by
+    finish_reason: str  # "stop" or "length"
+
+
+def _rpc_error(exc: grpc.RpcError) -> VisorError:
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        return VisorError(Reason.CORE_UNAVAILABLE, "no core is reachable")
+    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return VisorError(Reason.DEADLINE_EXCEEDED, "the deadline passed")
+    return from_rpc_error(exc)
+
+
+class CoreClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = core_pb2_grpc.CoreStub(self._channel)
+        self._geometry: Geometry | None = None
+
+    async def geometry(self, timeout: float | None) -> Geometry:
+        if self._geometry is None:
+            try:
+                info = await self._stub.Describe(core_pb2.DescribeRequest(), timeout=timeout)
+            except grpc.RpcError as exc:
+                raise _rpc_error(exc) from None
+            fill = tuple(int(round(m * 255)) for m in info.image_mean[:3]) or (127, 127, 127)
+            self._geometry = Geometry(info.core_id, info.image_size, info.preprocess_version,
+                                      fill)  # type: ignore[arg-type]  # fmt: skip
+        return self._geometry
+
+    def forget(self) -> None:
+        """Drops the cached description (the core may have restarted with another model)."""
+        self._geometry = None
+
+    async def infer(
+        self, req: CoreRequest, timeout: float | None,
+        pixels_for: Callable[[list[int]], Awaitable[list[np.ndarray]]],
+        on_transfer: Callable[[float], None],
+    ) -> AsyncIterator[Delta | CoreFinal]:  # fmt: skip
+        """Runs the handshake; `pixels_for(missing)` decodes only the items the core lacks."""
+        call = self._stub.Infer(timeout=timeout)
+        try:
+            await call.write(core_pb2.CoreMessage(header=_header(req)))
+            reply = await call.read()
+            if reply is grpc.aio.EOF or reply.WhichOneof("kind") != "cache":
+                raise VisorError(Reason.CORE_UNAVAILABLE, "the core ended the handshake")
+            missing = [i for i, held in enumerate(reply.cache.held) if not held]
+            arrays = await pixels_for(missing)
+            t0 = time.perf_counter()
+            for index, array in zip(missing, arrays, strict=True):
+                for piece in chunks(array):
+                    await call.write(core_pb2.CoreMessage(
+                        tensor=core_pb2.TensorChunk(item_index=index, data=piece)))  # fmt: skip
+            await call.done_writing()
+            if missing:
+                on_transfer((time.perf_counter() - t0) * 1000)
+            while (event := await call.read()) is not grpc.aio.EOF:
+                kind = event.WhichOneof("kind")
+                if kind == "delta":
+                    yield Delta(event.delta.text, event.delta.num_tokens)
+                elif kind == "final":
+                    f = event.final
+                    yield CoreFinal(f.text, f.text_tokens, f.visual_tokens_before,
+                                    f.visual_tokens_after, f.output_tokens, dict(f.timings_ms),
+                                    f.core_id, f.finish_reason)  # fmt: skip
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self.forget()
+            raise _rpc_error(exc) from None
+        finally:
+            call.cancel()  # no-op when finished; stops the core's work when we are cancelled
+
+    async def close(self) -> None:
+        await self._channel.close()

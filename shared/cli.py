@@ -1,0 +1,151 @@
+"""The one entry point: `visor core|gateway|ask|demo|model ...`.
+
+Each command imports only what it needs, so `visor ask` and `visor gateway` never import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from shared import logs
+from shared.config import ConfigError, LogConfig, build, environ, read_file
+
+
+def _core(args: argparse.Namespace) -> int:
+    from core.config import CacheConfig, CoreConfig
+
+    data, env = read_file(args.config), environ()
+    cfg = build(CoreConfig, "core", data, env)
+    cache = build(CacheConfig, "cache", data, env)
+    logs.configure("core", _log_level(data, env))
+    from core import server
+
+    asyncio.run(server.run(cfg, cache))
+    return 0
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from gateway.config import GatewayConfig, LimitsConfig, tenants_from
+
+    data, env = read_file(args.config), environ()
+    cfg = build(GatewayConfig, "gateway", data, env)
+    lim = build(LimitsConfig, "limits", data, env)
+    tenants = tenants_from(data)
+    logs.configure("gateway", _log_level(data, env))
+    from gateway import server
+
+    asyncio.run(server.run(cfg, lim, tenants))
+    return 0
+
+
+def _log_level(data: dict[str, Any], env: Mapping[str, str]) -> str:
+    return build(LogConfig, "log", data, env).level
+
+
+def _ask(args: argparse.Namespace) -> int:
+    from shared import client
+    from shared.errors import VisorError
+
+    media = [Path(p).read_bytes() for p in args.images]
+    req = client.build_request(args.prompt, media, detail=args.detail, profile=args.profile,
+                               max_new_tokens=args.max_new_tokens)  # fmt: skip
+
+    def show(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    try:
+        answer = client.ask(args.target, args.key, req, timeout=args.timeout,
+                            on_delta=None if args.json else show)  # fmt: skip
+    except VisorError as err:
+        payload = {"status": err.code.name, "reason": err.reason.value, "message": err.message}
+        if args.json:
+            print(json.dumps({"error": payload}))
+        else:
+            print(f"refused: {payload['status']} {payload['reason']}: {err.message}",
+                  file=sys.stderr)  # fmt: skip
+        return 1
+    if args.json:
+        print(json.dumps(answer.as_json()))
+    else:
+        print()
+        stages = " ".join(f"{k}={v:.1f}" for k, v in sorted(answer.timings_ms.items()))
+        print(f"[served_by={answer.served_by} usage={answer.usage} timings_ms: {stages}]",
+              file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def _init_demo(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if (out / "config.json").exists() and not args.force:
+        print(f"{out} already holds a model (use --force to rebuild)")
+        return 0
+    from core.model import demo
+
+    demo.build(out, preset=args.preset, seed=args.seed)
+    print(f"demo model written to {out} (random weights: its answers are noise)")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from shared import demo
+
+    return demo.run(Path(args.model), Path(args.samples), serve=args.serve, config=args.config)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="visor", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, fn, text in (("core", _core, "run a core"), ("gateway", _gateway, "run a gateway")):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("--config", type=Path, help="TOML file (default: built-in defaults)")
+        s.set_defaults(fn=fn)
+    a = sub.add_parser("ask", help="ask a gateway about images")
+    a.add_argument("images", nargs="*", help="media files")
+    a.add_argument("--prompt", required=True)
+    a.add_argument("--key", default="visor-dev-key")
+    a.add_argument("--target", default="127.0.0.1:50051")
+    a.add_argument("--detail", choices=("low", "auto", "high"), default="auto")
+    a.add_argument("--profile", default="")
+    a.add_argument("--max-new-tokens", type=int, default=0)
+    a.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
+    a.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    a.set_defaults(fn=_ask)
+    d = sub.add_parser("demo", help="start core + gateway, send the samples, print answers")
+    d.add_argument("--model", default="models/demo")
+    d.add_argument("--samples", default="models/samples")
+    d.add_argument("--config", type=Path)
+    d.add_argument("--serve", action="store_true", help="keep serving until Ctrl-C")
+    d.set_defaults(fn=_demo)
+    m = sub.add_parser("model", help="model tools").add_subparsers(dest="model_cmd", required=True)
+    i = m.add_parser("init-demo", help="build the demo checkpoint (no download)")
+    i.add_argument("--out", default="models/demo")
+    i.add_argument("--preset", default="demo")
+    i.add_argument("--seed", type=int, default=0)
+    i.add_argument("--force", action="store_true")
+    i.set_defaults(fn=_init_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except ConfigError as exc:
+        print(f"visor: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"visor: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Content hashes and feature-cache keys (DESIGN.md "Feature cache")."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+
+def content_hash(data: bytes) -> str:
+    """Hex SHA-256 of an item's raw bytes: the same bytes under any name hash alike."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def key_sha256(key: str) -> str:
+    """How API keys are stored in config: hex SHA-256 of the key."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureKey:
+    """Everything that decides an item's encoder output, scoped to one tenant."""
+
+    tenant: str  # the tenant that owns the entry
+    content_hash: str  # SHA-256 of the item's bytes
+    encoder_id: str  # encoder name
+    encoder_digest: str  # digest of the encoder weights
+    preprocess_version: str  # version of the gateway's preprocessing steps
+    resolution: int  # side of each tile in pixels
+    tile_rows: int  # tile grid rows
+    tile_cols: int  # tile grid cols
+
+    def encode(self) -> bytes:
+        fields = (
+            self.tenant, self.content_hash, self.encoder_id, self.encoder_digest,
+            self.preprocess_version, str(self.resolution), f"{self.tile_rows}x{self.tile_cols}",
+        )  # fmt: skip
+        return "\x1f".join(fields).encode()

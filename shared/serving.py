@@ -1,0 +1,62 @@
+"""What both servers do alike: health and reflection, signal-driven graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from shared.config import ConfigError
+
+# Keeps every message far under what a hostile peer could make us buffer, while allowing the
+# 1 MiB tensor chunks and a few MiB of inline media.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+def new_server() -> grpc.aio.Server:
+    return grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+
+
+def bind(server: grpc.aio.Server, address: str) -> int:
+    """Opens the (plaintext, loopback-checked by config) port; a clear error when it is taken."""
+    try:
+        return int(server.add_insecure_port(address))
+    except RuntimeError:
+        raise ConfigError(f"cannot listen on {address}: is another process using it?") from None
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_names: Sequence[str]
+                              ) -> health.aio.HealthServicer:  # fmt: skip
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection(
+        [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    return servicer
+
+
+async def set_serving(servicer: health.aio.HealthServicer, service_names: Sequence[str]) -> None:
+    for name in ("", *service_names):
+        await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
+async def serve_until_signal(server: grpc.aio.Server, grace_s: float,
+                             on_stop: Callable[[], Awaitable[None]]) -> None:  # fmt: skip
+    """Runs until SIGINT/SIGTERM, then stops accepting, drains for `grace_s`, and cleans up."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace_s)
+    await on_stop()
