@@ -44,6 +44,7 @@ class LimitsConfig:
     default_new_tokens: int = 128  # when a request asks for 0
     max_pixels: int = 7680 * 4320  # pixels per frame, read from the header
     max_side: int = 16384  # width or height, read from the header
+    max_frames: int = 64  # declared frames of an animation
 
     def validate(self) -> None:
         for name in self.__slots__:

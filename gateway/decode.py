@@ -65,12 +65,28 @@ def _check_pixels(width: int, height: int, max_pixels: int, max_side: int) -> No
         raise VisorError(Reason.PIXEL_LIMIT, f"a frame exceeds max_pixels ({max_pixels})")
 
 
-def probe(data: bytes, fmt: str, max_pixels: int, max_side: int) -> Probe:
-    """Reads the header only: no raster is decoded."""
+def probe(data: bytes, fmt: str, max_pixels: int, max_side: int, max_frames: int) -> Probe:
+    """Reads headers only for a still image. For an animation it walks the frame headers too
+    (Pillow refuses a frame whose extents blow past the pixel limit as it seeks)."""
     with _open(data, fmt) as img:
         width, height = img.size
         _check_pixels(width, height, max_pixels, max_side)
-        return Probe(width, height, int(getattr(img, "n_frames", 1)))
+        try:
+            num_frames = int(getattr(img, "n_frames", 1))
+            if num_frames > max_frames:
+                raise VisorError(Reason.FRAME_LIMIT, f"frames exceed max_frames ({max_frames})")
+            for index in range(1, num_frames):
+                img.seek(index)
+                _check_pixels(*img.size, max_pixels, max_side)
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise VisorError(Reason.PIXEL_LIMIT, "a frame exceeds the pixel limit",
+                             type(exc).__name__) from None  # fmt: skip
+        except VisorError:
+            raise
+        except Exception as exc:
+            raise VisorError(Reason.CORRUPT_MEDIA, "media could not be parsed",
+                             type(exc).__name__) from None  # fmt: skip
+        return Probe(width, height, num_frames)
 
 
 def decode(data: bytes, fmt: str, size: int, fill: tuple[int, int, int], max_pixels: int,

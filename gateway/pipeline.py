@@ -44,7 +44,8 @@ class Pipeline:
         if media:
             t0 = time.perf_counter()
             lim = self.limits
-            await asyncio.gather(*(self.pool.run(decode.probe, m, f, lim.max_pixels, lim.max_side)
+            await asyncio.gather(*(self.pool.run(decode.probe, m, f, lim.max_pixels, lim.max_side,
+                                                 lim.max_frames)
                                    for m, f in zip(media, formats, strict=True)))  # fmt: skip
             timings["probe"] = _ms(t0)
         size = geo.image_size

@@ -1,0 +1,92 @@
+"""Shared fixtures: the demo model, free loopback ports, a running core + gateway, the corpus."""
+
+from __future__ import annotations
+
+import csv
+import os
+import socket
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from shared import procs
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = Path(os.environ.get("VISOR_TEST_CORPUS", ROOT.parent / "shared" / "corpus"))
+SAMPLES = ROOT / "models" / "samples"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def corpus_rows() -> list[dict[str, str]]:
+    manifest = CORPUS / "MANIFEST.tsv"
+    if not manifest.exists():
+        return []
+    with manifest.open() as f:
+        return list(csv.DictReader(f, delimiter="\t"))
+
+
+def need_corpus() -> None:
+    if not (CORPUS / "MANIFEST.tsv").exists():
+        pytest.skip(f"media corpus not found at {CORPUS} (present in CI, absent in a user's clone)")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    built = ROOT / "models" / "demo"
+    if (built / "config.json").exists():
+        return built
+    from core.model import demo
+
+    return demo.build(tmp_path_factory.mktemp("model") / "demo")
+
+
+@dataclass
+class Stack:
+    """A core and a gateway running as real processes on loopback."""
+
+    gateway: str
+    core: str
+    core_metrics: str
+    env: dict[str, str]
+    logs: Path
+    core_proc: subprocess.Popen[bytes]
+    gateway_proc: subprocess.Popen[bytes]
+
+    def restart_core(self) -> None:
+        self.core_proc = procs.start("core", self.env, log_path=self.logs / "core.log")
+        procs.wait_healthy(self.core, self.core_proc, timeout_s=120)
+
+
+def start_stack(model: Path, logs: Path, **gateway_env: str) -> Stack:
+    core, gw, metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    env = {
+        "VISOR_CORE_LISTEN": core, "VISOR_CORE_MODEL": str(model),
+        "VISOR_CORE_METRICS_LISTEN": metrics, "VISOR_CACHE_PATH": str(logs / "cache"),
+        "VISOR_GATEWAY_LISTEN": gw, "VISOR_GATEWAY_CORES": core,
+        "VISOR_GATEWAY_METRICS_LISTEN": "", **gateway_env,
+    }  # fmt: skip
+    core_proc = procs.start("core", env, log_path=logs / "core.log")
+    procs.wait_healthy(core, core_proc, timeout_s=120)
+    gw_proc = procs.start("gateway", env, log_path=logs / "gateway.log")
+    procs.wait_healthy(gw, gw_proc, timeout_s=60)
+    return Stack(gw, core, metrics, env, logs, core_proc, gw_proc)
+
+
+def stop_stack(stack: Stack) -> None:
+    for proc in (stack.gateway_proc, stack.core_proc):
+        procs.stop(proc)
+
+
+@pytest.fixture(scope="session")
+def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(model_dir, tmp_path_factory.mktemp("stack"))
+    yield s
+    stop_stack(s)

@@ -1,0 +1,60 @@
+"""Small client helpers for tests: one request, its events, its error."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from shared.proto import gateway_pb2, gateway_pb2_grpc
+
+DEV_KEY = "visor-dev-key"
+
+
+@dataclass
+class Outcome:
+    deltas: list[str]
+    final: gateway_pb2.Final | None
+    code: grpc.StatusCode
+    reason: str
+    message: str
+
+
+def generate(target: str, req: gateway_pb2.GenerateRequest, key: str | None = DEV_KEY,
+             timeout: float = 60.0) -> Outcome:  # fmt: skip
+    metadata = [("authorization", f"Bearer {key}")] if key is not None else []
+    deltas: list[str] = []
+    final = None
+    with grpc.insecure_channel(target) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        try:
+            for event in stub.Generate(req, metadata=metadata, timeout=timeout):
+                if event.WhichOneof("kind") == "delta":
+                    deltas.append(event.delta.text)
+                else:
+                    final = event.final
+        except grpc.RpcError as exc:
+            return Outcome(deltas, final, exc.code(), _reason(exc), exc.details() or "")
+    return Outcome(deltas, final, grpc.StatusCode.OK, "", "")
+
+
+def _reason(exc: grpc.RpcError) -> str:
+    status = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    if status is None:
+        return ""
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return info.reason
+    return ""
+
+
+def request(prompt: str = "What is this?", media: tuple[bytes, ...] = (), max_new_tokens: int = 8,
+            **params: object) -> gateway_pb2.GenerateRequest:  # fmt: skip
+    return gateway_pb2.GenerateRequest(
+        prompt=prompt, media=[gateway_pb2.Media(data=m) for m in media],
+        params=gateway_pb2.GenerationParams(max_new_tokens=max_new_tokens, **params),  # type: ignore[arg-type]
+    )  # fmt: skip
