@@ -49,7 +49,8 @@ class Engine:
         self.model = llava.load(model_dir)
         cfg = self.model.cfg
         self.tokenizer = ChatTokenizer(model_dir, cfg.image_token_id)
-        self.eos_ids = set(cfg.text.eos_token_id)
+        eos = self.tokenizer.tok.token_to_id(self.tokenizer.eos_token)
+        self.eos_ids = set(cfg.text.eos_token_id) | ({eos} if eos is not None else set())
         self.max_request_tokens = cfg.text.max_position_embeddings
         self.info = CoreInfo(
             core_id=core_id,
@@ -119,6 +120,7 @@ class Engine:
                 token = sample(self._masked(seq.logits, produced, params.min_new_tokens),
                                params, seq.gen)  # fmt: skip
                 produced += 1
+                metrics.GENERATED_TOKENS.inc()
                 if token in self.eos_ids:
                     reason = "stop"
                     break
@@ -134,7 +136,6 @@ class Engine:
             if tail:
                 yield Delta(tail, 0)
             timings["generate"] = (time.perf_counter() - t0) * 1000
-            metrics.GENERATED_TOKENS.inc(produced)
             finished = True
             yield Result(
                 text=seq.stream.text,

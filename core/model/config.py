@@ -47,7 +47,7 @@ class TextConfig:
     attention_bias: bool  # bias on q/k/v (always on for qwen2)
     max_position_embeddings: int
     tie_word_embeddings: bool
-    eos_token_id: tuple[int, ...]
+    eos_token_id: tuple[int, ...]  # may be empty: the tokenizer's eos token then decides
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +97,7 @@ def parse(raw: dict[str, Any], pre: dict[str, Any]) -> LlavaConfig:
     heads = tc.get("num_attention_heads", 32)
     hidden = tc.get("hidden_size", 4096)
     rope = tc.get("rope_parameters") or {}
-    eos = tc.get("eos_token_id", raw.get("eos_token_id", 2))
+    eos = tc.get("eos_token_id", raw.get("eos_token_id"))
     text = TextConfig(
         kind=tkind,
         vocab_size=tc.get("vocab_size", 32000),
@@ -112,7 +112,7 @@ def parse(raw: dict[str, Any], pre: dict[str, Any]) -> LlavaConfig:
         attention_bias=tkind == "qwen2" or bool(tc.get("attention_bias", False)),
         max_position_embeddings=tc.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(tc.get("tie_word_embeddings", raw.get("tie_word_embeddings"))),
-        eos_token_id=tuple(eos) if isinstance(eos, list) else (int(eos),),
+        eos_token_id=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
     )
     layer = raw.get("vision_feature_layer", -2)
     strategy = raw.get("vision_feature_select_strategy", "default")

@@ -109,7 +109,11 @@ def canonical_name(name: str) -> str | None:
         return None
     for old, new in _PREFIXES:
         if name.startswith(old):
-            return new + name[len(old) :]
+            name = new + name[len(old) :]
+            break
+    if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+        # Some transformers versions save the bare vision transformer (no `vision_model.`).
+        name = "vision_tower.vision_model." + name[len("vision_tower.") :]
     return name
 
 

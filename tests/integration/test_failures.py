@@ -1,0 +1,74 @@
+"""Failure paths that need their own stack: core down and back, deadlines mid-generation."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from shared import procs
+from tests.conftest import SAMPLES, Stack, start_stack, stop_stack
+from tests.helpers import generate, request
+
+
+@pytest.fixture()
+def own_stack(model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
+    s = start_stack(model_dir, tmp_path)
+    yield s
+    stop_stack(s)
+
+
+def _metric(stack: Stack, name: str) -> float:
+    body = urllib.request.urlopen(f"http://{stack.core_metrics}/metrics", timeout=5).read()
+    for line in body.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"metric {name} not exported")
+
+
+def test_core_down_then_back(own_stack: Stack) -> None:
+    png = (SAMPLES / "shapes.png").read_bytes()
+    assert generate(own_stack.gateway, request(media=(png,))).code == grpc.StatusCode.OK
+    procs.stop(own_stack.core_proc)
+    down = generate(own_stack.gateway, request(media=(png,)), timeout=10)
+    assert (down.code, down.reason) == (grpc.StatusCode.UNAVAILABLE, "CORE_UNAVAILABLE")
+    own_stack.restart_core()
+    deadline = time.monotonic() + 15
+    while True:  # the gateway reconnects on its own within its back-off (at most 2 s)
+        out = generate(own_stack.gateway, request(media=(png,)), timeout=10)
+        if out.code == grpc.StatusCode.OK or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert out.code == grpc.StatusCode.OK, (out.code, out.reason)
+    assert own_stack.gateway_proc.poll() is None  # the gateway was never restarted
+
+
+@pytest.fixture()
+def long_stack(model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
+    s = start_stack(model_dir, tmp_path, VISOR_LIMITS_MAX_NEW_TOKENS="4096")
+    yield s
+    stop_stack(s)
+
+
+def test_deadline_mid_generation_stops_the_core(long_stack: Stack) -> None:
+    own_stack = long_stack
+    before = _metric(own_stack, "visor_core_cancelled_generations_total")
+    long_req = request("Tell a long story.", max_new_tokens=4000, min_new_tokens=4000)
+    out = generate(own_stack.gateway, long_req, timeout=1.5)
+    assert out.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert out.deltas, "generation had started streaming before the deadline"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if (_metric(own_stack, "visor_core_cancelled_generations_total") > before
+                and _metric(own_stack, "visor_core_active_generations") == 0):  # fmt: skip
+            break
+        time.sleep(0.1)
+    assert _metric(own_stack, "visor_core_cancelled_generations_total") == before + 1
+    assert _metric(own_stack, "visor_core_active_generations") == 0
+    tokens = _metric(own_stack, "visor_core_generated_tokens_total")
+    time.sleep(0.5)
+    assert _metric(own_stack, "visor_core_generated_tokens_total") == tokens  # nothing runs on

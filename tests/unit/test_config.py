@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from core.config import CoreConfig
+from gateway.config import GatewayConfig, LimitsConfig, tenants_from
+from shared.config import ConfigError, build, read_file
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "visor.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_loopback_and_tight() -> None:
+    gw = build(GatewayConfig, "gateway", {}, {})
+    core = build(CoreConfig, "core", {}, {})
+    assert gw.listen == "127.0.0.1:50051" and core.listen == "127.0.0.1:50052"
+    assert gw.cores == ("127.0.0.1:50052",)
+    assert build(LimitsConfig, "limits", {}, {}).max_items == 8
+
+
+def test_file_then_environment_override(tmp_path: Path) -> None:
+    data = read_file(_write(tmp_path, '[gateway]\nlisten = "127.0.0.1:6000"\ndecode_workers = 3\n'))
+    env = {"VISOR_GATEWAY_DECODE_WORKERS": "4", "VISOR_GATEWAY_CORES": "127.0.0.1:1,127.0.0.1:2"}
+    cfg = build(GatewayConfig, "gateway", data, env)
+    assert cfg.listen == "127.0.0.1:6000"
+    assert cfg.decode_workers == 4
+    assert cfg.cores == ("127.0.0.1:1", "127.0.0.1:2")
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "message"),
+    [
+        ('[gatway]\nlisten = "x"\n', {}, "unknown config section"),
+        ('[gateway]\nlisten_addr = "127.0.0.1:1"\n', {}, "unknown key"),
+        ("[gateway]\ndecode_workers = 'two'\n", {}, "must be of type int"),
+        ("", {"VISOR_GATEWAY_LISTN": "127.0.0.1:1"}, "names no key"),
+        ("", {"VISOR_GATEWAY_DECODE_WORKERS": "many"}, "must be of type int"),
+        ("[gateway]\ndecode_workers = 0\n", {}, "decode_workers"),
+        ('[gateway]\nlisten = "nowhere"\n', {}, "host:port"),
+        ("[gateway\n", {}, "not valid TOML"),
+    ],
+)
+def test_bad_config_is_an_error_at_start(tmp_path: Path, text: str, env: dict[str, str],
+                                          message: str) -> None:  # fmt: skip
+    with pytest.raises(ConfigError, match=message):
+        build(GatewayConfig, "gateway", read_file(_write(tmp_path, text)), env)
+
+
+def test_tenants_are_checked(tmp_path: Path) -> None:
+    good = "a" * 64
+    data = read_file(_write(tmp_path, f'[[tenants]]\nid = "acme"\nkey_sha256 = "{good}"\n'))
+    assert tenants_from(data)[0].id == "acme"
+    for bad in (f'[[tenants]]\nid = "a"\nkey_sha256 = "short"\n',
+                f'[[tenants]]\nid = "a"\nkey_sha256 = "{good}"\nrole = "x"\n'):  # fmt: skip
+        with pytest.raises(ConfigError):
+            tenants_from(read_file(_write(tmp_path, bad)))
+
+
+def test_core_refuses_a_public_plaintext_listen() -> None:
+    with pytest.raises(ConfigError, match="loopback"):
+        build(CoreConfig, "core", {}, {"VISOR_CORE_LISTEN": "0.0.0.0:50052"})

@@ -1,0 +1,92 @@
+"""Pure gateway pieces: sniffing, request limits, auth, redaction."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import structlog
+from PIL import Image
+
+from gateway.auth import Authenticator
+from gateway.config import LimitsConfig, Tenant
+from gateway.limits import check_request
+from gateway.sniff import sniff
+from gateway.types import Ask, Params, Turn
+from shared import logs
+from shared.errors import Reason, VisorError
+from shared.hashing import key_sha256
+
+
+def _encoded(fmt: str) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buf, fmt)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP", "GIF"])
+def test_sniff_allows_by_magic_bytes(fmt: str) -> None:
+    assert sniff(_encoded(fmt)) == fmt
+
+
+@pytest.mark.parametrize("fmt", ["BMP", "TIFF", "ICO", "PPM"])
+def test_sniff_refuses_everything_else(fmt: str) -> None:
+    with pytest.raises(VisorError) as info:
+        sniff(_encoded(fmt))
+    assert info.value.reason is Reason.UNSUPPORTED_FORMAT
+
+
+def _ask(text: str = "hi", media: tuple[bytes, ...] = (), **params: object) -> Ask:
+    return Ask((Turn("user", text, media),), Params(**params), "", "auto")  # type: ignore[arg-type]
+
+
+def test_limits() -> None:
+    lim = LimitsConfig(max_items=2, max_item_bytes=10, max_request_bytes=15, max_prompt_bytes=5,
+                       max_new_tokens=8, default_new_tokens=4)  # fmt: skip
+    assert check_request(lim, _ask()) == 4
+    assert check_request(lim, _ask(max_new_tokens=8)) == 8
+    cases = [
+        (_ask(media=(b"x",) * 3), Reason.IMAGE_COUNT_LIMIT),
+        (_ask(media=(b"x" * 11,)), Reason.MEDIA_TOO_LARGE),
+        (_ask(media=(b"x" * 8, b"x" * 8)), Reason.MEDIA_TOO_LARGE),
+        (_ask("toolong"), Reason.PROMPT_TOO_LONG),
+        (_ask(max_new_tokens=9), Reason.TOKEN_BUDGET),
+        (_ask(""), Reason.INVALID_REQUEST),
+        (_ask(temperature=-1.0), Reason.INVALID_REQUEST),
+    ]
+    for ask, reason in cases:
+        with pytest.raises(VisorError) as info:
+            check_request(lim, ask)
+        assert info.value.reason is reason
+        assert "toolong" not in info.value.message
+
+
+def test_auth_dev_key_only_on_loopback() -> None:
+    dev = Authenticator.for_listen((), loopback=True)
+    assert dev.tenant([("authorization", "Bearer visor-dev-key")]) == "dev"
+    with pytest.raises(ValueError, match="tenants"):
+        Authenticator.for_listen((), loopback=False)
+    auth = Authenticator.for_listen((Tenant("acme", key_sha256("s3cret")),), loopback=False)
+    assert auth.tenant([("authorization", "Bearer s3cret")]) == "acme"
+    for metadata in ([], [("authorization", "Bearer visor-dev-key")], [("authorization", "s3cret")]):
+        with pytest.raises(VisorError) as info:
+            auth.tenant(metadata)
+        assert info.value.reason is Reason.UNAUTHENTICATED
+
+
+def test_redaction_is_an_allow_list(capsys: pytest.CaptureFixture[str]) -> None:
+    structlog.reset_defaults()
+    logs.configure("test")
+    logs.get("t").info("request_done", prompt="the secret question", tenant="acme",
+                       exif={"GPS": "51N"}, data=b"\x89PNG", authorization="Bearer k",
+                       timings_ms={"encode": 1.5}, reason="a\nb")  # fmt: skip
+    line = capsys.readouterr().err.strip()
+    record = json.loads(line)
+    assert "secret" not in line and "acme" not in line and "GPS" not in line and "Bearer" not in line
+    assert record["prompt_len"] == len("the secret question")
+    assert record["tenant_hash"] == logs.short_hash("acme")
+    assert record["timings_ms"] == {"encode": 1.5}
+    assert record["reason"] == "a\\nb"
+    assert record["redacted"] == ["authorization", "data", "exif"]
+    structlog.reset_defaults()
