@@ -99,6 +99,12 @@ def _demo(args: argparse.Namespace) -> int:
     return demo.run(Path(args.model), Path(args.samples), serve=args.serve, config=args.config)
 
 
+def _bench_wire(args: argparse.Namespace) -> int:
+    from bench import wire
+
+    return wire.main(Path(args.model), args.tiles, args.repeats)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="visor", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -123,6 +129,13 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--config", type=Path)
     d.add_argument("--serve", action="store_true", help="keep serving until Ctrl-C")
     d.set_defaults(fn=_demo)
+    b = sub.add_parser("bench", help="benchmarks (one JSON object each)")
+    bs = b.add_subparsers(dest="bench_cmd", required=True)
+    w = bs.add_parser("wire", help="uint8 + fused normalisation vs float32 tensors over gRPC")
+    w.add_argument("--model", default="models/demo")
+    w.add_argument("--tiles", type=int, default=5)
+    w.add_argument("--repeats", type=int, default=30)
+    w.set_defaults(fn=_bench_wire)
     m = sub.add_parser("model", help="model tools").add_subparsers(dest="model_cmd", required=True)
     i = m.add_parser("init-demo", help="build the demo checkpoint (no download)")
     i.add_argument("--out", default="models/demo")
