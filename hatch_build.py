@@ -1,4 +1,4 @@
-"""Hatch build hook: generates the protobuf modules so that wheels and editable installs carry them."""
+"""Hatch build hook: generates the protobuf modules, so wheels and editable installs carry them."""
 
 from __future__ import annotations
 

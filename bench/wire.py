@@ -30,8 +30,9 @@ class _Sink(core_pb2_grpc.CoreServicer):  # type: ignore[misc]
     def __init__(self, engine: Engine, tiles: int) -> None:
         self.engine, self.tiles = engine, tiles
 
-    async def Infer(self, it: AsyncIterator[core_pb2.CoreMessage],
-                    context: Any) -> AsyncIterator[core_pb2.CoreEvent]:  # fmt: skip
+    async def Infer(
+        self, it: AsyncIterator[core_pb2.CoreMessage], context: Any
+    ) -> AsyncIterator[core_pb2.CoreEvent]:
         header = None
         buf = bytearray()
         async for msg in it:
@@ -52,8 +53,9 @@ class _Sink(core_pb2_grpc.CoreServicer):  # type: ignore[misc]
         yield core_pb2.CoreEvent(final=core_pb2.CoreFinal(output_tokens=0))
 
 
-async def _time_path(stub: core_pb2_grpc.CoreStub, array: np.ndarray, dtype: str,
-                     repeats: int) -> list[float]:  # fmt: skip
+async def _time_path(
+    stub: core_pb2_grpc.CoreStub, array: np.ndarray, dtype: str, repeats: int
+) -> list[float]:
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -92,9 +94,11 @@ async def _run(model: Path, tiles: int, repeats: int) -> dict[str, Any]:
         await _time_path(stub, array, "uint8", 3)  # warm-up
         for dtype, name in (("float32", "baseline_float32"), ("uint8", "optimised_uint8")):
             ms = await _time_path(stub, array, dtype, repeats)
-            out[name] = {"wire_bytes": int(array.size * (4 if dtype == "float32" else 1)),
-                         "p50_ms": round(statistics.median(ms), 3),
-                         "min_ms": round(min(ms), 3)}  # fmt: skip
+            out[name] = {
+                "wire_bytes": int(array.size * (4 if dtype == "float32" else 1)),
+                "p50_ms": round(statistics.median(ms), 3),
+                "min_ms": round(min(ms), 3),
+            }
     await server.stop(0)
     engine.close()
     base, opt = out["baseline_float32"], out["optimised_uint8"]

@@ -79,8 +79,9 @@ class Engine:
                 or item.dtype not in self.info.accepted_dtypes
                 or item.shape != (tiles, 3, size, size)
             ):
-                raise VisorError(Reason.INVALID_REQUEST,
-                                 "item geometry does not match this core's encoder")  # fmt: skip
+                raise VisorError(
+                    Reason.INVALID_REQUEST, "item geometry does not match this core's encoder"
+                )
         if sum(t.num_images for t in req.turns) != len(req.items):
             raise VisorError(Reason.INVALID_REQUEST, "turns show a different number of items")
 
@@ -102,23 +103,28 @@ class Engine:
         ids = self.tokenizer.encode_chat(list(req.turns), visual)
         params = req.params
         if len(ids) + params.max_new_tokens > self.max_request_tokens:
-            raise VisorError(Reason.TOKEN_BUDGET,
-                             f"request needs more than the {self.max_request_tokens} tokens "
-                             "one sequence may hold")  # fmt: skip
+            raise VisorError(
+                Reason.TOKEN_BUDGET,
+                f"request needs more than the {self.max_request_tokens} tokens "
+                "one sequence may hold",
+            )
         seed = params.seed or int.from_bytes(hashlib.sha256(req.request_id.encode()).digest()[:8])
         queued = time.perf_counter()
         metrics.ACTIVE_GENERATIONS.inc()
         finished = False
         try:
-            seq, prefill_ms, started = await self._run(self._prefill, ids, features, seed, params.stop)
+            seq, prefill_ms, started = await self._run(
+                self._prefill, ids, features, seed, params.stop
+            )
             timings["queue"] = (started - queued) * 1000
             timings["prefill"] = prefill_ms
             t0 = time.perf_counter()
             reason = "length"
             produced = 0
             while produced < params.max_new_tokens:
-                token = sample(self._masked(seq.logits, produced, params.min_new_tokens),
-                               params, seq.gen)  # fmt: skip
+                token = sample(
+                    self._masked(seq.logits, produced, params.min_new_tokens), params, seq.gen
+                )
                 produced += 1
                 metrics.GENERATED_TOKENS.inc()
                 if token in self.eos_ids:
@@ -159,8 +165,9 @@ class Engine:
         return masked
 
     @torch.inference_mode()
-    def _prefill(self, ids: list[int], features: list[torch.Tensor], seed: int,
-                 stop: tuple[str, ...]) -> tuple[_Sequence, float, float]:  # fmt: skip
+    def _prefill(
+        self, ids: list[int], features: list[torch.Tensor], seed: int, stop: tuple[str, ...]
+    ) -> tuple[_Sequence, float, float]:
         started = time.perf_counter()
         image = torch.cat(features) if features else None
         embeds = self.model.embed(torch.tensor(ids), image)

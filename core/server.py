@@ -17,14 +17,15 @@ async def run(cfg: CoreConfig, cache: CacheConfig) -> None:
     log = logs.get("core")
     engine = Engine(Path(cfg.model), cfg.resolved_core_id(), cfg.num_threads)
     server = serving.new_server()
-    core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine), server)
+    core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine), server)  # type: ignore[no-untyped-call]
     health = serving.add_health_and_reflection(server, [SERVICE])
     serving.bind(server, cfg.listen)
     metrics.serve(cfg.metrics_listen)
     await server.start()
     await serving.set_serving(health, [SERVICE])
-    log.info("core_started", listen=cfg.listen, model=engine.info.model_id,
-             core_id=engine.info.core_id)  # fmt: skip
+    log.info(
+        "core_started", listen=cfg.listen, model=engine.info.model_id, core_id=engine.info.core_id
+    )
 
     async def close() -> None:
         engine.close()

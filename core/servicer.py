@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+import numpy as np
 
 from core import metrics
 from core.engine import Engine
@@ -14,8 +15,8 @@ from core.model.tokenizer import ChatTurn
 from core.types import Delta, InferRequest, ItemSpec, Result, SamplingParams
 from shared import logs
 from shared.errors import Reason, VisorError
-from shared.proto import core_pb2, core_pb2_grpc
 from shared.metrics import observe
+from shared.proto import core_pb2, core_pb2_grpc
 from shared.status import to_status
 from shared.wire import TensorAssembler, TensorSpec
 
@@ -29,35 +30,55 @@ def request_from_proto(h: core_pb2.InferHeader) -> InferRequest:
         request_id=h.request_id,
         turns=tuple(ChatTurn(t.role or "user", t.text, t.num_images) for t in h.turns),
         params=SamplingParams(
-            max_new_tokens=p.max_new_tokens, min_new_tokens=p.min_new_tokens,
-            temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k, seed=p.seed,
+            max_new_tokens=p.max_new_tokens,
+            min_new_tokens=p.min_new_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p or 1.0,
+            top_k=p.top_k,
+            seed=p.seed,
             stop=tuple(p.stop),
-        ),  # fmt: skip
+        ),
         items=tuple(
-            ItemSpec(i.content_hash, i.preprocess_version, i.resolution, i.tile_rows, i.tile_cols,
-                     i.dtype, tuple(i.shape))  # fmt: skip
+            ItemSpec(
+                i.content_hash,
+                i.preprocess_version,
+                i.resolution,
+                i.tile_rows,
+                i.tile_cols,
+                i.dtype,
+                tuple(i.shape),
+            )
             for i in h.items
         ),
         profile=h.profile,
     )
 
 
-class CoreServicer(core_pb2_grpc.CoreServicer):  # type: ignore[misc]
+class CoreServicer(core_pb2_grpc.CoreServicer):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    async def Describe(self, request: core_pb2.DescribeRequest,
-                       context: grpc.aio.ServicerContext) -> core_pb2.CoreInfo:  # fmt: skip
+    async def Describe(
+        self, request: core_pb2.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> core_pb2.CoreInfo:
         i = self.engine.info
         return core_pb2.CoreInfo(
-            core_id=i.core_id, model_id=i.model_id, encoder_digest=i.encoder_digest,
-            image_size=i.image_size, tokens_per_tile=i.tokens_per_tile,
-            preprocess_version=i.preprocess_version, accepted_dtypes=list(i.accepted_dtypes),
-            image_mean=list(i.image_mean), image_std=list(i.image_std),
-        )  # fmt: skip
+            core_id=i.core_id,
+            model_id=i.model_id,
+            encoder_digest=i.encoder_digest,
+            image_size=i.image_size,
+            tokens_per_tile=i.tokens_per_tile,
+            preprocess_version=i.preprocess_version,
+            accepted_dtypes=list(i.accepted_dtypes),
+            image_mean=list(i.image_mean),
+            image_std=list(i.image_std),
+        )
 
-    async def Infer(self, request_iterator: AsyncIterator[core_pb2.CoreMessage],
-                    context: grpc.aio.ServicerContext) -> AsyncIterator[core_pb2.CoreEvent]:  # fmt: skip
+    async def Infer(
+        self,
+        request_iterator: AsyncIterator[core_pb2.CoreMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[core_pb2.CoreEvent]:
         outcome = "error"
         try:
             async for event in self._infer(request_iterator):
@@ -68,16 +89,16 @@ class CoreServicer(core_pb2_grpc.CoreServicer):  # type: ignore[misc]
             log.info("infer_refused", reason=err.reason.value)
             await context.abort_with_status(to_status(err))
         except Exception as exc:  # never leak a traceback or message to the caller
-            log.error("infer_failed", error_type=type(exc).__name__,
-                      where=logs.error_site(exc))
+            log.error("infer_failed", error_type=type(exc).__name__, where=logs.error_site(exc))
             await context.abort_with_status(
                 to_status(VisorError(Reason.INTERNAL, "internal error in the core"))
             )
         finally:
             metrics.REQUESTS.labels(outcome=outcome).inc()
 
-    async def _infer(self, messages: AsyncIterator[core_pb2.CoreMessage]
-                     ) -> AsyncIterator[core_pb2.CoreEvent]:  # fmt: skip
+    async def _infer(
+        self, messages: AsyncIterator[core_pb2.CoreMessage]
+    ) -> AsyncIterator[core_pb2.CoreEvent]:
         messages = aiter(messages)
         first = await anext(messages, None)
         if first is None or first.WhichOneof("kind") != "header":
@@ -96,26 +117,33 @@ class CoreServicer(core_pb2_grpc.CoreServicer):  # type: ignore[misc]
             timings["encode"] = (time.perf_counter() - t0) * 1000
         async for out in self.engine.generate(req, features, timings):
             if isinstance(out, Delta):
-                yield core_pb2.CoreEvent(delta=core_pb2.CoreDelta(text=out.text,
-                                                                  num_tokens=out.num_tokens))  # fmt: skip
+                yield core_pb2.CoreEvent(
+                    delta=core_pb2.CoreDelta(text=out.text, num_tokens=out.num_tokens)
+                )
             else:
                 yield core_pb2.CoreEvent(final=_final(out, self.engine.info.core_id))
                 observe(metrics.STAGES, out.timings_ms)
-                log.info("infer_done", request_id=req.request_id, tenant=req.tenant,
-                         timings_ms=out.timings_ms, output_tokens=out.output_tokens,
-                         visual_tokens_before=out.visual_tokens_before,
-                         finish_reason=out.finish_reason)  # fmt: skip
+                log.info(
+                    "infer_done",
+                    request_id=req.request_id,
+                    tenant=req.tenant,
+                    timings_ms=out.timings_ms,
+                    output_tokens=out.output_tokens,
+                    visual_tokens_before=out.visual_tokens_before,
+                    finish_reason=out.finish_reason,
+                )
 
 
-async def _receive_tensors(messages: AsyncIterator[core_pb2.CoreMessage], req: InferRequest,
-                           held: list[bool]) -> list:  # type: ignore[type-arg]  # fmt: skip
+async def _receive_tensors(
+    messages: AsyncIterator[core_pb2.CoreMessage], req: InferRequest, held: list[bool]
+) -> list[np.ndarray]:
     """Collects the tensors of every item not held, checking each against its declared spec."""
     pending = {
         i: TensorAssembler(TensorSpec(item.dtype, item.shape))
         for i, item in enumerate(req.items)
         if not held[i]
     }
-    done: dict[int, object] = {}
+    done: dict[int, np.ndarray] = {}
     while pending:
         msg = await anext(messages, None)
         if msg is None:
@@ -133,7 +161,12 @@ async def _receive_tensors(messages: AsyncIterator[core_pb2.CoreMessage], req: I
 
 def _final(r: Result, core_id: str) -> core_pb2.CoreFinal:
     return core_pb2.CoreFinal(
-        text=r.text, text_tokens=r.text_tokens, visual_tokens_before=r.visual_tokens_before,
-        visual_tokens_after=r.visual_tokens_after, output_tokens=r.output_tokens,
-        timings_ms=r.timings_ms, core_id=core_id, finish_reason=r.finish_reason,
-    )  # fmt: skip
+        text=r.text,
+        text_tokens=r.text_tokens,
+        visual_tokens_before=r.visual_tokens_before,
+        visual_tokens_after=r.visual_tokens_after,
+        output_tokens=r.output_tokens,
+        timings_ms=r.timings_ms,
+        core_id=core_id,
+        finish_reason=r.finish_reason,
+    )

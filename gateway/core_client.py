@@ -60,19 +60,31 @@ class CoreRequest:
 def _header(req: CoreRequest) -> core_pb2.InferHeader:
     p = req.params
     header = core_pb2.InferHeader(
-        tenant=req.tenant, request_id=req.request_id, profile=req.profile,
+        tenant=req.tenant,
+        request_id=req.request_id,
+        profile=req.profile,
         params=core_pb2.CoreGenerationParams(
-            max_new_tokens=p.max_new_tokens, min_new_tokens=p.min_new_tokens,
-            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-            stop=list(p.stop)),
-    )  # fmt: skip
+            max_new_tokens=p.max_new_tokens,
+            min_new_tokens=p.min_new_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=p.seed,
+            stop=list(p.stop),
+        ),
+    )
     for t in req.turns:
         header.turns.add(role=t.role, text=t.text, num_images=len(t.media))
     for item in req.items:
-        header.items.add(content_hash=item.content_hash,
-                         preprocess_version=item.preprocess_version,
-                         resolution=item.resolution, tile_rows=item.tile_rows,
-                         tile_cols=item.tile_cols, dtype="uint8", shape=list(item.shape))  # fmt: skip
+        header.items.add(
+            content_hash=item.content_hash,
+            preprocess_version=item.preprocess_version,
+            resolution=item.resolution,
+            tile_rows=item.tile_rows,
+            tile_cols=item.tile_cols,
+            dtype="uint8",
+            shape=list(item.shape),
+        )
     return header
 
 
@@ -100,7 +112,7 @@ class CoreClient:
     def __init__(self, address: str) -> None:
         self.address = address
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = core_pb2_grpc.CoreStub(self._channel)
+        self._stub = core_pb2_grpc.CoreStub(self._channel)  # type: ignore[no-untyped-call]
         self._geometry: Geometry | None = None
 
     async def geometry(self, timeout: float | None) -> Geometry:
@@ -109,9 +121,10 @@ class CoreClient:
                 info = await self._stub.Describe(core_pb2.DescribeRequest(), timeout=timeout)
             except grpc.RpcError as exc:
                 raise _rpc_error(exc) from None
-            fill = tuple(int(round(m * 255)) for m in info.image_mean[:3]) or (127, 127, 127)
-            self._geometry = Geometry(info.core_id, info.image_size, info.preprocess_version,
-                                      fill)  # type: ignore[arg-type]  # fmt: skip
+            r, g, b = (round(m * 255) for m in info.image_mean[:3])
+            self._geometry = Geometry(
+                info.core_id, info.image_size, info.preprocess_version, (r, g, b)
+            )
         return self._geometry
 
     def forget(self) -> None:
@@ -119,10 +132,12 @@ class CoreClient:
         self._geometry = None
 
     async def infer(
-        self, req: CoreRequest, timeout: float | None,
+        self,
+        req: CoreRequest,
+        timeout: float | None,
         pixels_for: Callable[[list[int]], Awaitable[list[np.ndarray]]],
         on_transfer: Callable[[float], None],
-    ) -> AsyncIterator[Delta | CoreFinal]:  # fmt: skip
+    ) -> AsyncIterator[Delta | CoreFinal]:
         """Runs the handshake; `pixels_for(missing)` decodes only the items the core lacks."""
         call = self._stub.Infer(timeout=timeout)
         try:
@@ -135,8 +150,11 @@ class CoreClient:
             t0 = time.perf_counter()
             for index, array in zip(missing, arrays, strict=True):
                 for piece in chunks(array):
-                    await call.write(core_pb2.CoreMessage(
-                        tensor=core_pb2.TensorChunk(item_index=index, data=piece)))  # fmt: skip
+                    await call.write(
+                        core_pb2.CoreMessage(
+                            tensor=core_pb2.TensorChunk(item_index=index, data=piece)
+                        )
+                    )
             await call.done_writing()
             if missing:
                 on_transfer((time.perf_counter() - t0) * 1000)
@@ -146,9 +164,16 @@ class CoreClient:
                     yield Delta(event.delta.text, event.delta.num_tokens)
                 elif kind == "final":
                     f = event.final
-                    yield CoreFinal(f.text, f.text_tokens, f.visual_tokens_before,
-                                    f.visual_tokens_after, f.output_tokens, dict(f.timings_ms),
-                                    f.core_id, f.finish_reason)  # fmt: skip
+                    yield CoreFinal(
+                        f.text,
+                        f.text_tokens,
+                        f.visual_tokens_before,
+                        f.visual_tokens_after,
+                        f.output_tokens,
+                        dict(f.timings_ms),
+                        f.core_id,
+                        f.finish_reason,
+                    )
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.forget()

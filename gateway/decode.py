@@ -49,11 +49,13 @@ def _open(data: bytes, fmt: str) -> Image.Image:
     try:
         return Image.open(io.BytesIO(data), formats=[fmt])
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise VisorError(Reason.PIXEL_LIMIT, "image exceeds the pixel limit",
-                         type(exc).__name__) from None  # fmt: skip
+        raise VisorError(
+            Reason.PIXEL_LIMIT, "image exceeds the pixel limit", type(exc).__name__
+        ) from None
     except Exception as exc:
-        raise VisorError(Reason.CORRUPT_MEDIA, "media could not be parsed",
-                         type(exc).__name__) from None  # fmt: skip
+        raise VisorError(
+            Reason.CORRUPT_MEDIA, "media could not be parsed", type(exc).__name__
+        ) from None
 
 
 def _check_pixels(width: int, height: int, max_pixels: int, max_side: int) -> None:
@@ -79,18 +81,21 @@ def probe(data: bytes, fmt: str, max_pixels: int, max_side: int, max_frames: int
                 img.seek(index)
                 _check_pixels(*img.size, max_pixels, max_side)
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-            raise VisorError(Reason.PIXEL_LIMIT, "a frame exceeds the pixel limit",
-                             type(exc).__name__) from None  # fmt: skip
+            raise VisorError(
+                Reason.PIXEL_LIMIT, "a frame exceeds the pixel limit", type(exc).__name__
+            ) from None
         except VisorError:
             raise
         except Exception as exc:
-            raise VisorError(Reason.CORRUPT_MEDIA, "media could not be parsed",
-                             type(exc).__name__) from None  # fmt: skip
+            raise VisorError(
+                Reason.CORRUPT_MEDIA, "media could not be parsed", type(exc).__name__
+            ) from None
         return Probe(width, height, num_frames)
 
 
-def decode(data: bytes, fmt: str, size: int, fill: tuple[int, int, int], max_pixels: int,
-           max_side: int) -> Decoded:  # fmt: skip
+def decode(
+    data: bytes, fmt: str, size: int, fill: tuple[int, int, int], max_pixels: int, max_side: int
+) -> Decoded:
     """Decodes the first frame and preprocesses it to one `size` x `size` tile."""
     t0 = time.perf_counter()
     with _open(data, fmt) as img:
@@ -103,8 +108,9 @@ def decode(data: bytes, fmt: str, size: int, fill: tuple[int, int, int], max_pix
         except VisorError:
             raise
         except Exception as exc:
-            raise VisorError(Reason.CORRUPT_MEDIA, "media could not be decoded",
-                             type(exc).__name__) from None  # fmt: skip
+            raise VisorError(
+                Reason.CORRUPT_MEDIA, "media could not be decoded", type(exc).__name__
+            ) from None
     tile = _letterbox(rgb, size, fill)
     pixels = np.asarray(tile, dtype=np.uint8).transpose(2, 0, 1)[None].copy()
     t2 = time.perf_counter()

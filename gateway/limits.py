@@ -12,17 +12,22 @@ PROFILES = ("none",)  # compression profiles available now; the others land with
 def check_bytes(limits: LimitsConfig, item_bytes: int, request_bytes: int) -> None:
     """Called while receiving, so an upload stops at the first byte over a limit."""
     if item_bytes > limits.max_item_bytes:
-        raise VisorError(Reason.MEDIA_TOO_LARGE,
-                         f"a media item exceeds max_item_bytes ({limits.max_item_bytes})")  # fmt: skip
+        raise VisorError(
+            Reason.MEDIA_TOO_LARGE, f"a media item exceeds max_item_bytes ({limits.max_item_bytes})"
+        )
     if request_bytes > limits.max_request_bytes:
-        raise VisorError(Reason.MEDIA_TOO_LARGE,
-                         f"the request exceeds max_request_bytes ({limits.max_request_bytes})")  # fmt: skip
+        raise VisorError(
+            Reason.MEDIA_TOO_LARGE,
+            f"the request exceeds max_request_bytes ({limits.max_request_bytes})",
+        )
 
 
 def check_count(limits: LimitsConfig, num_items: int) -> None:
     if num_items > limits.max_items:
-        raise VisorError(Reason.IMAGE_COUNT_LIMIT,
-                         f"the request has more than max_items ({limits.max_items}) media items")  # fmt: skip
+        raise VisorError(
+            Reason.IMAGE_COUNT_LIMIT,
+            f"the request has more than max_items ({limits.max_items}) media items",
+        )
 
 
 def check_request(limits: LimitsConfig, ask: Ask) -> int:
@@ -38,18 +43,21 @@ def check_request(limits: LimitsConfig, ask: Ask) -> int:
     text_bytes = sum(len(t.text.encode()) for t in ask.turns)
     text_bytes += sum(len(s.encode()) for s in ask.params.stop)
     if text_bytes > limits.max_prompt_bytes:
-        raise VisorError(Reason.PROMPT_TOO_LONG,
-                         f"text exceeds max_prompt_bytes ({limits.max_prompt_bytes})")  # fmt: skip
+        raise VisorError(
+            Reason.PROMPT_TOO_LONG, f"text exceeds max_prompt_bytes ({limits.max_prompt_bytes})"
+        )
     if ask.profile and ask.profile not in PROFILES:
-        raise VisorError(Reason.INVALID_REQUEST,
-                         f"unknown compression profile; available: {', '.join(PROFILES)}")  # fmt: skip
+        raise VisorError(
+            Reason.INVALID_REQUEST, f"unknown compression profile; available: {', '.join(PROFILES)}"
+        )
     p = ask.params
     if p.temperature < 0 or not 0 <= p.top_p <= 1:
         raise VisorError(Reason.INVALID_REQUEST, "temperature must be >= 0 and top_p in [0, 1]")
     wanted = p.max_new_tokens or limits.default_new_tokens
     if wanted > limits.max_new_tokens:
-        raise VisorError(Reason.TOKEN_BUDGET,
-                         f"max_new_tokens exceeds the cap ({limits.max_new_tokens})")  # fmt: skip
+        raise VisorError(
+            Reason.TOKEN_BUDGET, f"max_new_tokens exceeds the cap ({limits.max_new_tokens})"
+        )
     if p.min_new_tokens > wanted:
         raise VisorError(Reason.INVALID_REQUEST, "min_new_tokens exceeds max_new_tokens")
     return wanted

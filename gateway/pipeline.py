@@ -24,14 +24,21 @@ def _ms(since: float) -> float:
 
 
 class Pipeline:
-    def __init__(self, limits_cfg: LimitsConfig, pool: DecodePool, core: CoreClient,
-                 default_profile: str) -> None:  # fmt: skip
+    def __init__(
+        self, limits_cfg: LimitsConfig, pool: DecodePool, core: CoreClient, default_profile: str
+    ) -> None:
         self.limits, self.pool, self.core = limits_cfg, pool, core
         self.default_profile = default_profile
 
-    async def generate(self, tenant: str, request_id: str, ask: Ask, started: float,
-                       timings: dict[str, float], timeout: float | None
-                       ) -> AsyncIterator[Delta | Final]:  # fmt: skip
+    async def generate(
+        self,
+        tenant: str,
+        request_id: str,
+        ask: Ask,
+        started: float,
+        timings: dict[str, float],
+        timeout: float | None,
+    ) -> AsyncIterator[Delta | Final]:
         """`started` is when the request arrived (perf_counter); `timings` holds `receive`."""
         max_new = limits.check_request(self.limits, ask)
         media = [m for t in ask.turns for m in t.media]
@@ -44,22 +51,37 @@ class Pipeline:
         if media:
             t0 = time.perf_counter()
             lim = self.limits
-            await asyncio.gather(*(self.pool.run(decode.probe, m, f, lim.max_pixels, lim.max_side,
-                                                 lim.max_frames)
-                                   for m, f in zip(media, formats, strict=True)))  # fmt: skip
+            await asyncio.gather(
+                *(
+                    self.pool.run(decode.probe, m, f, lim.max_pixels, lim.max_side, lim.max_frames)
+                    for m, f in zip(media, formats, strict=True)
+                )
+            )
             timings["probe"] = _ms(t0)
         size = geo.image_size
-        items = tuple(ItemHeader(h, geo.preprocess_version, size, 1, 1, (1, 3, size, size))
-                      for h in hashes)  # fmt: skip
+        items = tuple(
+            ItemHeader(h, geo.preprocess_version, size, 1, 1, (1, 3, size, size)) for h in hashes
+        )
 
         missed: list[int] = []
 
         async def pixels_for(missing: list[int]) -> list[np.ndarray]:
             missed.extend(missing)
             lim = self.limits
-            done = await asyncio.gather(*(
-                self.pool.run(decode.decode, media[i], formats[i], size, geo.fill,
-                              lim.max_pixels, lim.max_side) for i in missing))  # fmt: skip
+            done = await asyncio.gather(
+                *(
+                    self.pool.run(
+                        decode.decode,
+                        media[i],
+                        formats[i],
+                        size,
+                        geo.fill,
+                        lim.max_pixels,
+                        lim.max_side,
+                    )
+                    for i in missing
+                )
+            )
             if done:
                 timings["image_decode"] = sum(d.decode_ms for d in done)
                 timings["preprocess"] = sum(d.preprocess_ms for d in done)
@@ -68,8 +90,14 @@ class Pipeline:
         def on_transfer(ms: float) -> None:
             timings["transfer"] = ms
 
-        req = CoreRequest(tenant, request_id, ask.turns, replace(ask.params, max_new_tokens=max_new),
-                          items, ask.profile or self.default_profile)  # fmt: skip
+        req = CoreRequest(
+            tenant,
+            request_id,
+            ask.turns,
+            replace(ask.params, max_new_tokens=max_new),
+            items,
+            ask.profile or self.default_profile,
+        )
         first = True
         async for event in self.core.infer(req, timeout, pixels_for, on_transfer):
             if isinstance(event, Delta):
@@ -80,11 +108,26 @@ class Pipeline:
                 yield _final(event, hashes, set(missed), timings, started, first)
 
 
-def _final(f: CoreFinal, hashes: list[str], missing: set[int], timings: dict[str, float],
-           started: float, no_text: bool) -> Final:  # fmt: skip
+def _final(
+    f: CoreFinal,
+    hashes: list[str],
+    missing: set[int],
+    timings: dict[str, float],
+    started: float,
+    no_text: bool,
+) -> Final:
     if no_text:
         timings["ttft"] = _ms(started)
     merged = {**f.timings_ms, **timings}
     cache = tuple((h, i not in missing) for i, h in enumerate(hashes))
-    return Final(f.text, f.text_tokens, f.visual_tokens_before, f.visual_tokens_after,
-                 f.output_tokens, cache, f.core_id, f.finish_reason, merged)  # fmt: skip
+    return Final(
+        f.text,
+        f.text_tokens,
+        f.visual_tokens_before,
+        f.visual_tokens_after,
+        f.output_tokens,
+        cache,
+        f.core_id,
+        f.finish_reason,
+        merged,
+    )

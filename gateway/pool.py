@@ -9,6 +9,7 @@ the sandbox issue; this module is the seam it plugs into.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -37,9 +38,13 @@ class DecodePool:
         self._pool = self._new_pool()
 
     def _new_pool(self) -> ProcessPoolExecutor:
-        pool = ProcessPoolExecutor(self.workers, mp_context=self._ctx,
-                                   initializer=decode.init_worker, initargs=(self._max_pixels,),
-                                   max_tasks_per_child=self._max_jobs)  # fmt: skip
+        pool = ProcessPoolExecutor(
+            self.workers,
+            mp_context=self._ctx,
+            initializer=decode.init_worker,
+            initargs=(self._max_pixels,),
+            max_tasks_per_child=self._max_jobs,
+        )
         return pool
 
     def start(self) -> list[int]:
@@ -55,8 +60,9 @@ class DecodePool:
         except TimeoutError:
             log.warning("decode_timeout", workers=self.workers)
             self._replace(pool)
-            raise VisorError(Reason.DECODE_TIMEOUT,
-                             f"decoding took longer than {self.timeout_s:g} s") from None  # fmt: skip
+            raise VisorError(
+                Reason.DECODE_TIMEOUT, f"decoding took longer than {self.timeout_s:g} s"
+            ) from None
         except BrokenProcessPool:
             log.warning("decoder_crashed", workers=self.workers)
             self._replace(pool)
@@ -75,10 +81,8 @@ class DecodePool:
 def _kill(pool: ProcessPoolExecutor) -> None:
     processes = dict(getattr(pool, "_processes", None) or {})
     for pid in processes:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     pool.shutdown(wait=False, cancel_futures=True)
     for proc in processes.values():
         proc.join(timeout=5)

@@ -23,19 +23,20 @@ async def run(cfg: GatewayConfig, lim: LimitsConfig, tenants: tuple[Tenant, ...]
         auth = Authenticator.for_listen(tenants, is_loopback(cfg.listen))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    pool = DecodePool(cfg.decode_workers, cfg.decode_timeout_s, cfg.worker_max_jobs,
-                      lim.max_pixels)  # fmt: skip
+    pool = DecodePool(cfg.decode_workers, cfg.decode_timeout_s, cfg.worker_max_jobs, lim.max_pixels)
     pool.start()
     core = CoreClient(cfg.cores[0])
     server = serving.new_server()
     servicer = GatewayServicer(auth, Pipeline(lim, pool, core, cfg.default_profile), lim)
-    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     health = serving.add_health_and_reflection(server, [SERVICE])
     serving.bind(server, cfg.listen)
     metrics.serve(cfg.metrics_listen)
     await server.start()
     await serving.set_serving(health, [SERVICE])
-    log.info("gateway_started", listen=cfg.listen, cores=list(cfg.cores), workers=cfg.decode_workers)
+    log.info(
+        "gateway_started", listen=cfg.listen, cores=list(cfg.cores), workers=cfg.decode_workers
+    )
 
     async def close() -> None:
         await core.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 
@@ -15,8 +15,8 @@ from gateway.pipeline import Pipeline
 from gateway.types import Ask, Delta, Final, Params, Turn
 from shared import logs
 from shared.errors import Reason, VisorError
-from shared.proto import gateway_pb2, gateway_pb2_grpc
 from shared.metrics import observe
+from shared.proto import gateway_pb2, gateway_pb2_grpc
 from shared.status import to_status
 
 log = logs.get("gateway.servicer")
@@ -28,66 +28,86 @@ def ask_from_proto(req: gateway_pb2.GenerateRequest, media: list[bytes] | None =
     """`media`, when given, replaces the items' bytes (the upload variant assembles them)."""
     blobs = iter(media) if media is not None else None
 
-    def take(items: object) -> tuple[bytes, ...]:
-        return tuple(next(blobs) if blobs is not None else m.data for m in items)  # type: ignore[attr-defined]
+    def take(items: Iterable[gateway_pb2.Media]) -> tuple[bytes, ...]:
+        return tuple(next(blobs) if blobs is not None else m.data for m in items)
 
     turns = [Turn(ROLES.get(t.role, "user"), t.text, take(t.media)) for t in req.turns]
     if req.prompt or req.media:
         turns.append(Turn("user", req.prompt, take(req.media)))
     p = req.params
-    params = Params(p.max_new_tokens, p.min_new_tokens, p.temperature, p.top_p, p.top_k, p.seed,
-                    tuple(p.stop))  # fmt: skip
+    params = Params(
+        p.max_new_tokens, p.min_new_tokens, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop)
+    )
     return Ask(tuple(turns), params, req.profile, DETAILS.get(req.detail, "auto"))
 
 
 def _event(out: Delta | Final) -> gateway_pb2.GenerateEvent:
     if isinstance(out, Delta):
         return gateway_pb2.GenerateEvent(
-            delta=gateway_pb2.TokenDelta(text=out.text, num_tokens=out.num_tokens))
-    return gateway_pb2.GenerateEvent(final=gateway_pb2.Final(
-        text=out.text,
-        usage=gateway_pb2.Usage(text_tokens=out.text_tokens,
-                                visual_tokens_before=out.visual_tokens_before,
-                                visual_tokens_after=out.visual_tokens_after,
-                                output_tokens=out.output_tokens),
-        cache=[gateway_pb2.ItemCache(content_hash=h, hit=hit) for h, hit in out.cache],
-        timings_ms=out.timings_ms, served_by=out.served_by, finish_reason=out.finish_reason,
-    ))  # fmt: skip
+            delta=gateway_pb2.TokenDelta(text=out.text, num_tokens=out.num_tokens)
+        )
+    return gateway_pb2.GenerateEvent(
+        final=gateway_pb2.Final(
+            text=out.text,
+            usage=gateway_pb2.Usage(
+                text_tokens=out.text_tokens,
+                visual_tokens_before=out.visual_tokens_before,
+                visual_tokens_after=out.visual_tokens_after,
+                output_tokens=out.output_tokens,
+            ),
+            cache=[gateway_pb2.ItemCache(content_hash=h, hit=hit) for h, hit in out.cache],
+            timings_ms=out.timings_ms,
+            served_by=out.served_by,
+            finish_reason=out.finish_reason,
+        )
+    )
 
 
-class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, auth: Authenticator, pipeline: Pipeline, limits_cfg: LimitsConfig) -> None:
         self.auth, self.pipeline, self.limits = auth, pipeline, limits_cfg
 
-    async def Generate(self, request: gateway_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateEvent]:  # fmt: skip
+    async def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
         started = time.perf_counter()
         async for event in self._serve(context, started, lambda: _unary(request)):
             yield event
 
-    async def GenerateUpload(self, request_iterator: AsyncIterator[gateway_pb2.UploadMessage],
-                             context: grpc.aio.ServicerContext
-                             ) -> AsyncIterator[gateway_pb2.GenerateEvent]:  # fmt: skip
+    async def GenerateUpload(
+        self,
+        request_iterator: AsyncIterator[gateway_pb2.UploadMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
         started = time.perf_counter()
-        async for event in self._serve(context, started,
-                                       lambda: _upload(request_iterator, self.limits)):  # fmt: skip
+        async for event in self._serve(
+            context, started, lambda: _upload(request_iterator, self.limits)
+        ):
             yield event
 
-    async def _serve(self, context: grpc.aio.ServicerContext, started: float,
-                     receive: object) -> AsyncIterator[gateway_pb2.GenerateEvent]:  # fmt: skip
+    async def _serve(
+        self, context: grpc.aio.ServicerContext, started: float, receive: object
+    ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
         request_id = uuid.uuid4().hex
         outcome = "error"
         try:
             tenant = self.auth.tenant(context.invocation_metadata() or ())
             ask = await receive()  # type: ignore[operator]
             timings = {"receive": (time.perf_counter() - started) * 1000}
-            async for out in self.pipeline.generate(tenant, request_id, ask, started, timings,
-                                                     context.time_remaining()):  # fmt: skip
+            async for out in self.pipeline.generate(
+                tenant, request_id, ask, started, timings, context.time_remaining()
+            ):
                 if isinstance(out, Final):
                     observe(metrics.STAGES, out.timings_ms)
-                    log.info("request_done", request_id=request_id, tenant=tenant,
-                             num_items=len(out.cache), timings_ms=out.timings_ms,
-                             output_tokens=out.output_tokens, core=out.served_by)  # fmt: skip
+                    log.info(
+                        "request_done",
+                        request_id=request_id,
+                        tenant=tenant,
+                        num_items=len(out.cache),
+                        timings_ms=out.timings_ms,
+                        output_tokens=out.output_tokens,
+                        core=out.served_by,
+                    )
                 yield _event(out)
             outcome = "ok"
         except VisorError as err:
@@ -95,10 +115,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
             log.info("request_refused", request_id=request_id, reason=err.reason.value)
             await context.abort_with_status(to_status(err))
         except Exception as exc:  # never leak a traceback or message to the caller
-            log.error("request_failed", request_id=request_id, error_type=type(exc).__name__,
-                      where=logs.error_site(exc))
+            log.error(
+                "request_failed",
+                request_id=request_id,
+                error_type=type(exc).__name__,
+                where=logs.error_site(exc),
+            )
             await context.abort_with_status(
-                to_status(VisorError(Reason.INTERNAL, "internal error in the gateway")))
+                to_status(VisorError(Reason.INTERNAL, "internal error in the gateway"))
+            )
         finally:
             metrics.REQUESTS.labels(outcome=outcome).inc()
 

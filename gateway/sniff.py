@@ -17,5 +17,6 @@ def sniff(data: bytes) -> str:
         return "GIF"
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "WEBP"
-    raise VisorError(Reason.UNSUPPORTED_FORMAT,
-                     "media format is not allowed; allowed: JPEG, PNG/APNG, WebP, GIF")  # fmt: skip
+    raise VisorError(
+        Reason.UNSUPPORTED_FORMAT, "media format is not allowed; allowed: JPEG, PNG/APNG, WebP, GIF"
+    )

@@ -1,6 +1,6 @@
 """Draws the sample media in models/samples/ (run once; the outputs are committed).
 
-    python models/draw_samples.py
+python models/draw_samples.py
 """
 
 from __future__ import annotations

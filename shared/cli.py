@@ -53,31 +53,40 @@ def _ask(args: argparse.Namespace) -> int:
     from shared.errors import VisorError
 
     media = [Path(p).read_bytes() for p in args.images]
-    req = client.build_request(args.prompt, media, detail=args.detail, profile=args.profile,
-                               max_new_tokens=args.max_new_tokens)  # fmt: skip
+    req = client.build_request(
+        args.prompt,
+        media,
+        detail=args.detail,
+        profile=args.profile,
+        max_new_tokens=args.max_new_tokens,
+    )
 
     def show(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
     try:
-        answer = client.ask(args.target, args.key, req, timeout=args.timeout,
-                            on_delta=None if args.json else show)  # fmt: skip
+        answer = client.ask(
+            args.target, args.key, req, timeout=args.timeout, on_delta=None if args.json else show
+        )
     except VisorError as err:
         payload = {"status": err.code.name, "reason": err.reason.value, "message": err.message}
         if args.json:
             print(json.dumps({"error": payload}))
         else:
-            print(f"refused: {payload['status']} {payload['reason']}: {err.message}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"refused: {payload['status']} {payload['reason']}: {err.message}", file=sys.stderr
+            )
         return 1
     if args.json:
         print(json.dumps(answer.as_json()))
     else:
         print()
         stages = " ".join(f"{k}={v:.1f}" for k, v in sorted(answer.timings_ms.items()))
-        print(f"[served_by={answer.served_by} usage={answer.usage} timings_ms: {stages}]",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"[served_by={answer.served_by} usage={answer.usage} timings_ms: {stages}]",
+            file=sys.stderr,
+        )
     return 0
 
 

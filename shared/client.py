@@ -27,13 +27,25 @@ class Answer:
     finish_reason: str = ""  # "stop" or "length"
 
     def as_json(self) -> dict[str, Any]:
-        return {"text": self.text, "usage": self.usage, "timings_ms": self.timings_ms,
-                "cache": self.cache, "served_by": self.served_by,
-                "finish_reason": self.finish_reason}  # fmt: skip
+        return {
+            "text": self.text,
+            "usage": self.usage,
+            "timings_ms": self.timings_ms,
+            "cache": self.cache,
+            "served_by": self.served_by,
+            "finish_reason": self.finish_reason,
+        }
 
 
-def build_request(prompt: str, media: Sequence[bytes], *, detail: str = "auto", profile: str = "",
-                  max_new_tokens: int = 0, **params: Any) -> gateway_pb2.GenerateRequest:  # fmt: skip
+def build_request(
+    prompt: str,
+    media: Sequence[bytes],
+    *,
+    detail: str = "auto",
+    profile: str = "",
+    max_new_tokens: int = 0,
+    **params: Any,
+) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(
         prompt=prompt,
         media=[gateway_pb2.Media(data=m) for m in media],
@@ -54,18 +66,28 @@ def _upload(req: gateway_pb2.GenerateRequest) -> Iterator[gateway_pb2.UploadMess
         for start in range(0, len(blob), CHUNK_BYTES):
             piece = blob[start : start + CHUNK_BYTES]
             yield gateway_pb2.UploadMessage(
-                chunk=gateway_pb2.MediaChunk(media_index=index, data=piece))
+                chunk=gateway_pb2.MediaChunk(media_index=index, data=piece)
+            )
 
 
-def ask(target: str, key: str, req: gateway_pb2.GenerateRequest, *, timeout: float | None = None,
-        on_delta: Callable[[str], None] | None = None) -> Answer:  # fmt: skip
+def ask(
+    target: str,
+    key: str,
+    req: gateway_pb2.GenerateRequest,
+    *,
+    timeout: float | None = None,
+    on_delta: Callable[[str], None] | None = None,
+) -> Answer:
     """Sends one request; raises VisorError on a refusal."""
     with grpc.insecure_channel(target) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
+        stub = gateway_pb2_grpc.GatewayStub(channel)  # type: ignore[no-untyped-call]
         metadata = [("authorization", f"Bearer {key}")]
         big = sum(len(m.data) for m in req.media) > INLINE_LIMIT
-        call = (stub.GenerateUpload(_upload(req), metadata=metadata, timeout=timeout) if big
-                else stub.Generate(req, metadata=metadata, timeout=timeout))  # fmt: skip
+        call = (
+            stub.GenerateUpload(_upload(req), metadata=metadata, timeout=timeout)
+            if big
+            else stub.Generate(req, metadata=metadata, timeout=timeout)
+        )
         try:
             for event in call:
                 if event.WhichOneof("kind") == "delta":
@@ -79,9 +101,11 @@ def ask(target: str, key: str, req: gateway_pb2.GenerateRequest, *, timeout: flo
 
 
 def _answer(f: gateway_pb2.Final) -> Answer:
-    usage = {"text_tokens": f.usage.text_tokens,
-             "visual_tokens_before": f.usage.visual_tokens_before,
-             "visual_tokens_after": f.usage.visual_tokens_after,
-             "output_tokens": f.usage.output_tokens}  # fmt: skip
+    usage = {
+        "text_tokens": f.usage.text_tokens,
+        "visual_tokens_before": f.usage.visual_tokens_before,
+        "visual_tokens_after": f.usage.visual_tokens_after,
+        "output_tokens": f.usage.output_tokens,
+    }
     cache = [{"content_hash": c.content_hash, "hit": c.hit} for c in f.cache]
     return Answer(f.text, usage, dict(f.timings_ms), cache, f.served_by, f.finish_reason)

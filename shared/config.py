@@ -7,11 +7,11 @@ this module only reads the file, applies the environment and refuses unknown sec
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 import os
 import tomllib
 import typing
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 

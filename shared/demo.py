@@ -14,8 +14,10 @@ from shared import client, procs
 from shared.errors import VisorError
 
 GATEWAY, CORE = "127.0.0.1:50051", "127.0.0.1:50052"
-NOTE = ("note: the demo model has random weights (built by `visor model init-demo`), so its "
-        "answers are noise; what this shows is the request path and its timings.")  # fmt: skip
+NOTE = (
+    "note: the demo model has random weights (built by `visor model init-demo`), so its "
+    "answers are noise; what this shows is the request path and its timings."
+)
 
 
 def _samples(folder: Path) -> list[tuple[Path, str]]:
@@ -60,7 +62,9 @@ def _ask(path: Path, prompt: str) -> int:
         return 1
     wall = (time.perf_counter() - t0) * 1000
     stages = ", ".join(f"{k} {v:.1f}" for k, v in answer.timings_ms.items())
-    print(f"{path.name}: Q: {prompt}\n  A: {answer.text!r}\n  usage: {answer.usage}\n"
-          f"  timings_ms: {stages}\n  wall {wall:.0f} ms, served by {answer.served_by}\n",
-          flush=True)  # fmt: skip
+    print(
+        f"{path.name}: Q: {prompt}\n  A: {answer.text!r}\n  usage: {answer.usage}\n"
+        f"  timings_ms: {stages}\n  wall {wall:.0f} ms, served by {answer.served_by}\n",
+        flush=True,
+    )
     return 0

@@ -31,7 +31,12 @@ class FeatureKey:
 
     def encode(self) -> bytes:
         fields = (
-            self.tenant, self.content_hash, self.encoder_id, self.encoder_digest,
-            self.preprocess_version, str(self.resolution), f"{self.tile_rows}x{self.tile_cols}",
-        )  # fmt: skip
+            self.tenant,
+            self.content_hash,
+            self.encoder_id,
+            self.encoder_digest,
+            self.preprocess_version,
+            str(self.resolution),
+            f"{self.tile_rows}x{self.tile_cols}",
+        )
         return "\x1f".join(fields).encode()

@@ -15,8 +15,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def start(kind: str, env: Mapping[str, str] | None = None, config: Path | None = None,
-          log_path: Path | None = None) -> subprocess.Popen[bytes]:  # fmt: skip
+def start(
+    kind: str,
+    env: Mapping[str, str] | None = None,
+    config: Path | None = None,
+    log_path: Path | None = None,
+) -> subprocess.Popen[bytes]:
     """Starts `visor core` or `visor gateway` with this interpreter."""
     cmd = [sys.executable, "-m", "shared.cli", kind]
     if config is not None:
@@ -26,8 +30,9 @@ def start(kind: str, env: Mapping[str, str] | None = None, config: Path | None =
     return subprocess.Popen(cmd, env=full_env, stdout=out, stderr=out)
 
 
-def wait_healthy(target: str, proc: subprocess.Popen[bytes] | None = None,
-                 timeout_s: float = 60.0) -> None:  # fmt: skip
+def wait_healthy(
+    target: str, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = 60.0
+) -> None:
     """Polls grpc.health.v1 until SERVING; fails early if the process exits."""
     deadline = time.monotonic() + timeout_s
     with grpc.insecure_channel(target) as channel:

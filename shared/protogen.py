@@ -18,9 +18,8 @@ _ABSOLUTE_IMPORT = re.compile(r"^from visor\.v1 import ", re.MULTILINE)
 
 def generate(proto_dir: Path = PROTO_DIR, out_dir: Path = OUT_DIR) -> list[Path]:
     """Runs grpc_tools.protoc over every .proto; returns the files written."""
-    from grpc_tools import protoc  # build-time dependency only
-
     import grpc_tools
+    from grpc_tools import protoc  # build-time dependency only
 
     protos = sorted(proto_dir.rglob("*.proto"))
     if not protos:

@@ -35,8 +35,9 @@ def bind(server: grpc.aio.Server, address: str) -> int:
         raise ConfigError(f"cannot listen on {address}: is another process using it?") from None
 
 
-def add_health_and_reflection(server: grpc.aio.Server, service_names: Sequence[str]
-                              ) -> health.aio.HealthServicer:  # fmt: skip
+def add_health_and_reflection(
+    server: grpc.aio.Server, service_names: Sequence[str]
+) -> health.aio.HealthServicer:
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     reflection.enable_server_reflection(
@@ -50,8 +51,9 @@ async def set_serving(servicer: health.aio.HealthServicer, service_names: Sequen
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
-async def serve_until_signal(server: grpc.aio.Server, grace_s: float,
-                             on_stop: Callable[[], Awaitable[None]]) -> None:  # fmt: skip
+async def serve_until_signal(
+    server: grpc.aio.Server, grace_s: float, on_stop: Callable[[], Awaitable[None]]
+) -> None:
     """Runs until SIGINT/SIGTERM, then stops accepting, drains for `grace_s`, and cleans up."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -9,7 +9,10 @@ import numpy as np
 
 from shared.errors import Reason, VisorError
 
-DTYPES = {"uint8": np.dtype(np.uint8), "float16": np.dtype(np.float16)}
+DTYPES: dict[str, np.dtype[np.generic]] = {
+    "uint8": np.dtype(np.uint8),
+    "float16": np.dtype(np.float16),
+}
 CHUNK_BYTES = 1 << 20  # 1 MiB pieces keep every message far below gRPC's 4 MiB default
 
 
@@ -22,12 +25,12 @@ class TensorSpec:
 
     @property
     def num_bytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * DTYPES[self.dtype].itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * int(DTYPES[self.dtype].itemsize)
 
 
 def chunks(array: np.ndarray, size: int = CHUNK_BYTES) -> Iterator[bytes]:
     """Yields the array's C-order bytes in pieces of at most `size`."""
-    view = memoryview(np.ascontiguousarray(array)).cast("B")
+    view = memoryview(np.ascontiguousarray(array).data).cast("B")
     for start in range(0, len(view), size):
         yield bytes(view[start : start + size])
 
@@ -37,7 +40,9 @@ class TensorAssembler:
 
     def __init__(self, spec: TensorSpec) -> None:
         if spec.dtype not in DTYPES:
-            raise VisorError(Reason.INVALID_REQUEST, f"tensor dtype must be one of {sorted(DTYPES)}")
+            raise VisorError(
+                Reason.INVALID_REQUEST, f"tensor dtype must be one of {sorted(DTYPES)}"
+            )
         self.spec = spec
         self._buf = bytearray()
 
@@ -52,7 +57,8 @@ class TensorAssembler:
 
     def array(self) -> np.ndarray:
         if not self.complete:
-            raise VisorError(Reason.INVALID_REQUEST, "tensor bytes fall short of the declared shape")
-        return np.frombuffer(bytes(self._buf), dtype=DTYPES[self.spec.dtype]).reshape(
-            self.spec.shape
-        )
+            raise VisorError(
+                Reason.INVALID_REQUEST, "tensor bytes fall short of the declared shape"
+            )
+        flat: np.ndarray = np.frombuffer(bytes(self._buf), dtype=DTYPES[self.spec.dtype])
+        return flat.reshape(self.spec.shape)

@@ -68,11 +68,15 @@ class Stack:
 def start_stack(model: Path, logs: Path, **gateway_env: str) -> Stack:
     core, gw, metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
     env = {
-        "VISOR_CORE_LISTEN": core, "VISOR_CORE_MODEL": str(model),
-        "VISOR_CORE_METRICS_LISTEN": metrics, "VISOR_CACHE_PATH": str(logs / "cache"),
-        "VISOR_GATEWAY_LISTEN": gw, "VISOR_GATEWAY_CORES": core,
-        "VISOR_GATEWAY_METRICS_LISTEN": "", **gateway_env,
-    }  # fmt: skip
+        "VISOR_CORE_LISTEN": core,
+        "VISOR_CORE_MODEL": str(model),
+        "VISOR_CORE_METRICS_LISTEN": metrics,
+        "VISOR_CACHE_PATH": str(logs / "cache"),
+        "VISOR_GATEWAY_LISTEN": gw,
+        "VISOR_GATEWAY_CORES": core,
+        "VISOR_GATEWAY_METRICS_LISTEN": "",
+        **gateway_env,
+    }
     core_proc = procs.start("core", env, log_path=logs / "core.log")
     procs.wait_healthy(core, core_proc, timeout_s=120)
     gw_proc = procs.start("gateway", env, log_path=logs / "gateway.log")

@@ -22,8 +22,9 @@ class Outcome:
     message: str
 
 
-def generate(target: str, req: gateway_pb2.GenerateRequest, key: str | None = DEV_KEY,
-             timeout: float = 60.0) -> Outcome:  # fmt: skip
+def generate(
+    target: str, req: gateway_pb2.GenerateRequest, key: str | None = DEV_KEY, timeout: float = 60.0
+) -> Outcome:
     metadata = [("authorization", f"Bearer {key}")] if key is not None else []
     deltas: list[str] = []
     final = None
@@ -52,9 +53,14 @@ def _reason(exc: grpc.RpcError) -> str:
     return ""
 
 
-def request(prompt: str = "What is this?", media: tuple[bytes, ...] = (), max_new_tokens: int = 8,
-            **params: object) -> gateway_pb2.GenerateRequest:  # fmt: skip
+def request(
+    prompt: str = "What is this?",
+    media: tuple[bytes, ...] = (),
+    max_new_tokens: int = 8,
+    **params: object,
+) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(
-        prompt=prompt, media=[gateway_pb2.Media(data=m) for m in media],
+        prompt=prompt,
+        media=[gateway_pb2.Media(data=m) for m in media],
         params=gateway_pb2.GenerationParams(max_new_tokens=max_new_tokens, **params),  # type: ignore[arg-type]
-    )  # fmt: skip
+    )

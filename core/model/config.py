@@ -126,6 +126,6 @@ def parse(raw: dict[str, Any], pre: dict[str, Any]) -> LlavaConfig:
         drop_class_token=strategy == "default",
         projector_act=raw.get("projector_hidden_act", "gelu"),
         projector_bias=bool(raw.get("multimodal_projector_bias", True)),
-        image_mean=tuple(pre.get("image_mean", (0.48145466, 0.4578275, 0.40821073))),  # type: ignore[arg-type]
-        image_std=tuple(pre.get("image_std", (0.26862954, 0.26130258, 0.27577711))),  # type: ignore[arg-type]
+        image_mean=tuple(pre.get("image_mean", (0.48145466, 0.4578275, 0.40821073))),
+        image_std=tuple(pre.get("image_std", (0.26862954, 0.26130258, 0.27577711))),
     )

@@ -30,19 +30,93 @@ CHAT_TEMPLATE = (
 )
 PRESETS: dict[str, dict[str, Any]] = {
     "demo": {
-        "vision": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                   "num_attention_heads": 4, "image_size": 224, "patch_size": 16},
-        "text": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-                 "num_attention_heads": 4, "num_key_value_heads": 2},
+        "vision": {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "image_size": 224,
+            "patch_size": 16,
+        },
+        "text": {
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
         "vocab_size": 512,
     },
-}  # fmt: skip
-_WORDS = (
-    "a an the is are of in on left right above below next to what how many which colour color "
-    "red green blue yellow black white orange purple circle square triangle star shape shapes "
-    "number word written image picture photo there one two three four five six seven eight nine "
-    "zero ten yes no small large big it this that describe see do you USER ASSISTANT SYSTEM"
-).split()
+}
+_WORDS = [
+    "a",
+    "an",
+    "the",
+    "is",
+    "are",
+    "of",
+    "in",
+    "on",
+    "left",
+    "right",
+    "above",
+    "below",
+    "next",
+    "to",
+    "what",
+    "how",
+    "many",
+    "which",
+    "colour",
+    "color",
+    "red",
+    "green",
+    "blue",
+    "yellow",
+    "black",
+    "white",
+    "orange",
+    "purple",
+    "circle",
+    "square",
+    "triangle",
+    "star",
+    "shape",
+    "shapes",
+    "number",
+    "word",
+    "written",
+    "image",
+    "picture",
+    "photo",
+    "there",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "zero",
+    "ten",
+    "yes",
+    "no",
+    "small",
+    "large",
+    "big",
+    "it",
+    "this",
+    "that",
+    "describe",
+    "see",
+    "do",
+    "you",
+    "USER",
+    "ASSISTANT",
+    "SYSTEM",
+]
 
 
 def _corpus() -> list[str]:
@@ -56,9 +130,12 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     return tok
 
@@ -77,33 +154,58 @@ def build(out: Path, preset: str = "demo", seed: int = 0) -> Path:
         "projector_hidden_act": "gelu",
         "vision_feature_layer": -2,
         "vision_feature_select_strategy": "default",
-        "vision_config": {"model_type": "clip_vision_model", "hidden_act": "quick_gelu",
-                          "layer_norm_eps": 1e-5, **spec["vision"]},
-        "text_config": {"model_type": "llama", "vocab_size": tok.get_vocab_size(),
-                        "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
-                        "rope_theta": 10000.0, "tie_word_embeddings": False,
-                        "bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"],
-                        "pad_token_id": ids["<pad>"], **spec["text"]},
+        "vision_config": {
+            "model_type": "clip_vision_model",
+            "hidden_act": "quick_gelu",
+            "layer_norm_eps": 1e-5,
+            **spec["vision"],
+        },
+        "text_config": {
+            "model_type": "llama",
+            "vocab_size": tok.get_vocab_size(),
+            "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+            "bos_token_id": ids["<s>"],
+            "eos_token_id": ids["</s>"],
+            "pad_token_id": ids["<pad>"],
+            **spec["text"],
+        },
         "tie_word_embeddings": False,
         "visor_demo": {"preset": preset, "seed": seed, "trained": False},
-    }  # fmt: skip
-    pre = {"image_mean": [0.48145466, 0.4578275, 0.40821073],
-           "image_std": [0.26862954, 0.26130258, 0.27577711],
-           "size": {"shortest_edge": spec["vision"]["image_size"]},
-           "crop_size": {"height": spec["vision"]["image_size"],
-                         "width": spec["vision"]["image_size"]}}  # fmt: skip
-    tok_cfg = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-               "pad_token": "<pad>", "add_bos_token": True, "chat_template": CHAT_TEMPLATE,
-               "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 8192}  # fmt: skip
-    for name, data in (("config.json", raw), ("preprocessor_config.json", pre),
-                       ("tokenizer_config.json", tok_cfg)):  # fmt: skip
+    }
+    pre = {
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "size": {"shortest_edge": spec["vision"]["image_size"]},
+        "crop_size": {
+            "height": spec["vision"]["image_size"],
+            "width": spec["vision"]["image_size"],
+        },
+    }
+    tok_cfg = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+        "add_bos_token": True,
+        "chat_template": CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 8192,
+    }
+    for name, data in (
+        ("config.json", raw),
+        ("preprocessor_config.json", pre),
+        ("tokenizer_config.json", tok_cfg),
+    ):
         (out / name).write_text(json.dumps(data, indent=2) + "\n")
     torch.manual_seed(seed)
     model = Llava(model_config.parse(raw, pre))
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv2d)):
             nn.init.normal_(module.weight, std=0.02)
-            if getattr(module, "bias", None) is not None:
+            if isinstance(module.bias, torch.Tensor):
                 nn.init.zeros_(module.bias)
     save(model, out / "model.safetensors")
     return out

@@ -33,14 +33,18 @@ class Projector(nn.Module):
         width = cfg.vision.hidden_size * len(cfg.vision_feature_layers)
         self.linear_1 = nn.Linear(width, cfg.text.hidden_size, bias=cfg.projector_bias)
         self.act = activation(cfg.projector_act)
-        self.linear_2 = nn.Linear(cfg.text.hidden_size, cfg.text.hidden_size,
-                                  bias=cfg.projector_bias)  # fmt: skip
+        self.linear_2 = nn.Linear(
+            cfg.text.hidden_size, cfg.text.hidden_size, bias=cfg.projector_bias
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(x)))
 
 
 class Llava(nn.Module):
+    pixel_scale: torch.Tensor
+    pixel_shift: torch.Tensor
+
     def __init__(self, cfg: LlavaConfig) -> None:
         super().__init__()
         self.cfg = cfg

@@ -23,6 +23,8 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
+    inv_freq: torch.Tensor
+
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
@@ -74,8 +76,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=cfg.kind == "llama" and bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                layer: int) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int
+    ) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim).transpose(0, 1)
         k = self.k_proj(x).view(n, self.num_kv, self.head_dim).transpose(0, 1)
@@ -87,8 +90,13 @@ class Attention(nn.Module):
         if n > 1:
             # Query i sits at position past+i and sees keys 0..past+i.
             mask = torch.ones(n, past + n, dtype=torch.bool).tril(diagonal=past)
-        out = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                                             attn_mask=mask, enable_gqa=self.num_kv != self.num_heads)  # fmt: skip
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            attn_mask=mask,
+            enable_gqa=self.num_kv != self.num_heads,
+        )
         return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
 
 
@@ -111,8 +119,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                layer: int) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -128,7 +137,7 @@ class Decoder(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
 
     def forward(self, embeds: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Runs (tokens, hidden) embeddings after what `cache` holds; returns normed hidden states."""
+        """Runs (tokens, hidden) embeddings after what `cache` holds; returns normed states."""
         start = cache.length
         positions = torch.arange(start, start + embeds.shape[0])
         cos, sin = self.rotary(positions)

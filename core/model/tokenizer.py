@@ -41,8 +41,12 @@ class ChatTokenizer:
             }
             for t in turns
         ]
-        return self.template.render(messages=messages, add_generation_prompt=True,
-                                    bos_token=self.bos_token, eos_token=self.eos_token)  # fmt: skip
+        return self.template.render(
+            messages=messages,
+            add_generation_prompt=True,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
 
     def encode_chat(self, turns: list[ChatTurn], tokens_per_image: list[int]) -> list[int]:
         """Token ids of the rendered conversation, each image placeholder expanded to its tokens."""

@@ -24,8 +24,9 @@ class VisionAttention(nn.Module):
         def heads(t: torch.Tensor) -> torch.Tensor:
             return t.view(b, n, self.num_heads, h // self.num_heads).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)),
-                                             heads(self.v_proj(x)))  # fmt: skip
+        out = F.scaled_dot_product_attention(
+            heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        )
         return self.out_proj(out.transpose(1, 2).reshape(b, n, h))
 
 
@@ -63,12 +64,14 @@ class VisionEmbeddings(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.has_class = cfg.kind == "clip"
-        self.patch_embedding = nn.Conv2d(3, cfg.hidden_size, cfg.patch_size, cfg.patch_size,
-                                         bias=not self.has_class)  # fmt: skip
+        self.patch_embedding = nn.Conv2d(
+            3, cfg.hidden_size, cfg.patch_size, cfg.patch_size, bias=not self.has_class
+        )
         if self.has_class:
             self.class_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
-        self.position_embedding = nn.Embedding(cfg.num_patches + int(self.has_class),
-                                               cfg.hidden_size)  # fmt: skip
+        self.position_embedding = nn.Embedding(
+            cfg.num_patches + int(self.has_class), cfg.hidden_size
+        )
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         x = self.patch_embedding(pixels).flatten(2).transpose(1, 2)

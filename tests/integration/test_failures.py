@@ -63,8 +63,10 @@ def test_deadline_mid_generation_stops_the_core(long_stack: Stack) -> None:
     assert out.deltas, "generation had started streaming before the deadline"
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        if (_metric(own_stack, "visor_core_cancelled_generations_total") > before
-                and _metric(own_stack, "visor_core_active_generations") == 0):  # fmt: skip
+        if (
+            _metric(own_stack, "visor_core_cancelled_generations_total") > before
+            and _metric(own_stack, "visor_core_active_generations") == 0
+        ):
             break
         time.sleep(0.1)
     assert _metric(own_stack, "visor_core_cancelled_generations_total") == before + 1

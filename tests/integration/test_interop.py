@@ -17,8 +17,12 @@ def test_node_client_from_the_proto_alone(stack: Stack) -> None:
     assert (CLIENT.parent / "node_modules" / "@grpc" / "grpc-js").exists(), (
         "tests/interop/node_modules missing: `make install` runs npm ci there"
     )
-    out = subprocess.run([node, str(CLIENT), stack.gateway, str(SAMPLES / "shapes.png"), "What?"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [node, str(CLIENT), stack.gateway, str(SAMPLES / "shapes.png"), "What?"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     body = json.loads(out.stdout)
     assert "error" not in body, body
@@ -26,6 +30,10 @@ def test_node_client_from_the_proto_alone(stack: Stack) -> None:
     assert "".join(body["deltas"]) == final["text"]
     assert final["usage"]["visual_tokens_before"] == 196
     assert {"receive", "image_decode", "encode", "generate"} <= set(final["timings_ms"])
-    denied = subprocess.run([node, str(CLIENT), stack.gateway, str(SAMPLES / "shapes.png"), "What?",
-                             "wrong"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    denied = subprocess.run(
+        [node, str(CLIENT), stack.gateway, str(SAMPLES / "shapes.png"), "What?", "wrong"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert json.loads(denied.stdout)["error"]["code"] == 16  # UNAUTHENTICATED

@@ -20,8 +20,16 @@ from tests.conftest import CORPUS, SAMPLES, Stack, corpus_rows, need_corpus
 from tests.helpers import Outcome, generate, request
 
 # Stage keys every served image request must report (DESIGN.md "Observability").
-REQUIRED_STAGES = {"receive", "image_decode", "preprocess", "transfer", "encode", "prefill",
-                   "ttft", "generate"}  # fmt: skip
+REQUIRED_STAGES = {
+    "receive",
+    "image_decode",
+    "preprocess",
+    "transfer",
+    "encode",
+    "prefill",
+    "ttft",
+    "generate",
+}
 ACCEPT = [r["file"] for r in corpus_rows() if r["expect"] == "accept"]
 REJECT = [(r["file"], r["reason"]) for r in corpus_rows() if r["expect"] == "reject"]
 EITHER = [r["file"] for r in corpus_rows() if r["expect"] == "either"]
@@ -33,14 +41,15 @@ def assert_served(out: Outcome) -> gateway_pb2.Final:
     assert out.deltas, "tokens must stream before the final event"
     assert "".join(out.deltas) == out.final.text
     assert out.final.usage.output_tokens > 0
-    assert REQUIRED_STAGES <= set(out.final.timings_ms), sorted(out.final.timings_ms)
+    assert set(out.final.timings_ms) >= REQUIRED_STAGES, sorted(out.final.timings_ms)
     assert all(v >= 0 for v in out.final.timings_ms.values())
     assert out.final.served_by
     return out.final
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in SAMPLES.iterdir()
-                                        if p.suffix in {".png", ".jpg", ".gif"}))  # fmt: skip
+@pytest.mark.parametrize(
+    "name", sorted(p.name for p in SAMPLES.iterdir() if p.suffix in {".png", ".jpg", ".gif"})
+)
 def test_samples_are_served(stack: Stack, name: str) -> None:
     final = assert_served(generate(stack.gateway, request(media=((SAMPLES / name).read_bytes(),))))
     assert final.usage.visual_tokens_before == 196  # one 224 px tile of 16 px patches
@@ -114,15 +123,23 @@ def test_greedy_is_deterministic_and_stop_strings_cut(stack: Stack) -> None:
     text = first.final.text
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     if stop.strip():
-        cut = generate(stack.gateway, request(media=(png,), max_new_tokens=12,
-                                              min_new_tokens=12, stop=[stop]))  # fmt: skip
+        cut = generate(
+            stack.gateway, request(media=(png,), max_new_tokens=12, min_new_tokens=12, stop=[stop])
+        )
         assert cut.final is not None and cut.final.finish_reason == "stop"
         assert cut.final.text == text[: text.find(stop)]
 
 
 def test_sampling_with_a_seed_repeats(stack: Stack) -> None:
-    req = request("Describe it.", max_new_tokens=10, min_new_tokens=10, temperature=1.0,
-                  top_p=0.9, top_k=50, seed=7)  # fmt: skip
+    req = request(
+        "Describe it.",
+        max_new_tokens=10,
+        min_new_tokens=10,
+        temperature=1.0,
+        top_p=0.9,
+        top_k=50,
+        seed=7,
+    )
     a, b = generate(stack.gateway, req), generate(stack.gateway, req)
     assert a.final is not None and b.final is not None and a.final.text == b.final.text
 
@@ -132,13 +149,16 @@ def test_multi_turn_conversation(stack: Stack) -> None:
     req = gateway_pb2.GenerateRequest(
         turns=[
             gateway_pb2.Turn(role=gateway_pb2.ROLE_SYSTEM, text="Answer briefly."),
-            gateway_pb2.Turn(role=gateway_pb2.ROLE_USER, text="What is this?",
-                             media=[gateway_pb2.Media(data=png)]),
+            gateway_pb2.Turn(
+                role=gateway_pb2.ROLE_USER,
+                text="What is this?",
+                media=[gateway_pb2.Media(data=png)],
+            ),
             gateway_pb2.Turn(role=gateway_pb2.ROLE_ASSISTANT, text="Two shapes."),
         ],
         prompt="Which one is red?",
         params=gateway_pb2.GenerationParams(max_new_tokens=4),
-    )  # fmt: skip
+    )
     final = assert_served(generate(stack.gateway, req))
     single = generate(stack.gateway, request("Which one is red?", max_new_tokens=4))
     assert single.final is not None
@@ -158,10 +178,14 @@ def test_upload_variant_serves_an_image_above_the_message_limit(stack: Stack) ->
     assert len(big) > 5 * 1024 * 1024
     inline = generate(stack.gateway, request(media=(big,)))
     assert inline.code == grpc.StatusCode.RESOURCE_EXHAUSTED  # gRPC's own 4 MiB message limit
-    answer = client.ask(stack.gateway, "visor-dev-key", client.build_request("What is it?", [big],
-                        max_new_tokens=4), timeout=60)  # fmt: skip
+    answer = client.ask(
+        stack.gateway,
+        "visor-dev-key",
+        client.build_request("What is it?", [big], max_new_tokens=4),
+        timeout=60,
+    )
     assert answer.usage["visual_tokens_before"] == 196
-    assert REQUIRED_STAGES <= set(answer.timings_ms)
+    assert set(answer.timings_ms) >= REQUIRED_STAGES
 
 
 def test_health_and_reflection_on_both_servers(stack: Stack) -> None:
@@ -170,38 +194,66 @@ def test_health_and_reflection_on_both_servers(stack: Stack) -> None:
     for target, service in ((stack.gateway, "visor.v1.Gateway"), (stack.core, "visor.v1.Core")):
         with grpc.insecure_channel(target) as channel:
             health = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=5)
+                health_pb2.HealthCheckRequest(service=service), timeout=5
+            )
             assert health.status == health_pb2.HealthCheckResponse.SERVING
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
             replies = stub.ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+            )
             names = {s.name for r in replies for s in r.list_services_response.service}
             assert service in names
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shared.cli", "ask", *args],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "shared.cli", "ask", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_cli_ask_json(stack: Stack) -> None:
-    ok = _cli(str(SAMPLES / "shapes.png"), "--prompt", "What?", "--target", stack.gateway,
-              "--max-new-tokens", "4", "--json")  # fmt: skip
+    ok = _cli(
+        str(SAMPLES / "shapes.png"),
+        "--prompt",
+        "What?",
+        "--target",
+        stack.gateway,
+        "--max-new-tokens",
+        "4",
+        "--json",
+    )
     assert ok.returncode == 0, ok.stderr
     body = json.loads(ok.stdout)
     assert set(body) >= {"text", "usage", "timings_ms", "cache", "served_by"}
     assert body["usage"]["visual_tokens_before"] == 196
-    bad = _cli(str(SAMPLES / "shapes.png"), "--prompt", "What?", "--target", stack.gateway,
-               "--key", "nope", "--json")  # fmt: skip
+    bad = _cli(
+        str(SAMPLES / "shapes.png"),
+        "--prompt",
+        "What?",
+        "--target",
+        stack.gateway,
+        "--key",
+        "nope",
+        "--json",
+    )
     assert bad.returncode == 1
-    assert json.loads(bad.stdout) == {"error": {"status": "UNAUTHENTICATED",
-                                                "reason": "UNAUTHENTICATED",
-                                                "message": "unknown API key"}}  # fmt: skip
+    assert json.loads(bad.stdout) == {
+        "error": {
+            "status": "UNAUTHENTICATED",
+            "reason": "UNAUTHENTICATED",
+            "message": "unknown API key",
+        }
+    }
 
 
 def test_logs_hold_no_user_content(stack: Stack) -> None:
     secret_prompt = "my-secret-prompt-4711"
-    out = generate(stack.gateway, request(secret_prompt, media=((SAMPLES / "number.jpg").read_bytes(),)))
+    out = generate(
+        stack.gateway, request(secret_prompt, media=((SAMPLES / "number.jpg").read_bytes(),))
+    )
     assert out.code == grpc.StatusCode.OK
     for name in ("gateway.log", "core.log"):
         text = (stack.logs / name).read_text()

@@ -45,8 +45,9 @@ def test_file_then_environment_override(tmp_path: Path) -> None:
         ("[gateway\n", {}, "not valid TOML"),
     ],
 )
-def test_bad_config_is_an_error_at_start(tmp_path: Path, text: str, env: dict[str, str],
-                                          message: str) -> None:  # fmt: skip
+def test_bad_config_is_an_error_at_start(
+    tmp_path: Path, text: str, env: dict[str, str], message: str
+) -> None:
     with pytest.raises(ConfigError, match=message):
         build(GatewayConfig, "gateway", read_file(_write(tmp_path, text)), env)
 
@@ -55,8 +56,10 @@ def test_tenants_are_checked(tmp_path: Path) -> None:
     good = "a" * 64
     data = read_file(_write(tmp_path, f'[[tenants]]\nid = "acme"\nkey_sha256 = "{good}"\n'))
     assert tenants_from(data)[0].id == "acme"
-    for bad in (f'[[tenants]]\nid = "a"\nkey_sha256 = "short"\n',
-                f'[[tenants]]\nid = "a"\nkey_sha256 = "{good}"\nrole = "x"\n'):  # fmt: skip
+    for bad in (
+        '[[tenants]]\nid = "a"\nkey_sha256 = "short"\n',
+        f'[[tenants]]\nid = "a"\nkey_sha256 = "{good}"\nrole = "x"\n',
+    ):
         with pytest.raises(ConfigError):
             tenants_from(read_file(_write(tmp_path, bad)))
 

@@ -42,8 +42,14 @@ def _ask(text: str = "hi", media: tuple[bytes, ...] = (), **params: object) -> A
 
 
 def test_limits() -> None:
-    lim = LimitsConfig(max_items=2, max_item_bytes=10, max_request_bytes=15, max_prompt_bytes=5,
-                       max_new_tokens=8, default_new_tokens=4)  # fmt: skip
+    lim = LimitsConfig(
+        max_items=2,
+        max_item_bytes=10,
+        max_request_bytes=15,
+        max_prompt_bytes=5,
+        max_new_tokens=8,
+        default_new_tokens=4,
+    )
     assert check_request(lim, _ask()) == 4
     assert check_request(lim, _ask(max_new_tokens=8)) == 8
     cases = [
@@ -69,7 +75,11 @@ def test_auth_dev_key_only_on_loopback() -> None:
         Authenticator.for_listen((), loopback=False)
     auth = Authenticator.for_listen((Tenant("acme", key_sha256("s3cret")),), loopback=False)
     assert auth.tenant([("authorization", "Bearer s3cret")]) == "acme"
-    for metadata in ([], [("authorization", "Bearer visor-dev-key")], [("authorization", "s3cret")]):
+    for metadata in (
+        [],
+        [("authorization", "Bearer visor-dev-key")],
+        [("authorization", "s3cret")],
+    ):
         with pytest.raises(VisorError) as info:
             auth.tenant(metadata)
         assert info.value.reason is Reason.UNAUTHENTICATED
@@ -78,12 +88,21 @@ def test_auth_dev_key_only_on_loopback() -> None:
 def test_redaction_is_an_allow_list(capsys: pytest.CaptureFixture[str]) -> None:
     structlog.reset_defaults()
     logs.configure("test")
-    logs.get("t").info("request_done", prompt="the secret question", tenant="acme",
-                       exif={"GPS": "51N"}, data=b"\x89PNG", authorization="Bearer k",
-                       timings_ms={"encode": 1.5}, reason="a\nb")  # fmt: skip
+    logs.get("t").info(
+        "request_done",
+        prompt="the secret question",
+        tenant="acme",
+        exif={"GPS": "51N"},
+        data=b"\x89PNG",
+        authorization="Bearer k",
+        timings_ms={"encode": 1.5},
+        reason="a\nb",
+    )
     line = capsys.readouterr().err.strip()
     record = json.loads(line)
-    assert "secret" not in line and "acme" not in line and "GPS" not in line and "Bearer" not in line
+    assert (
+        "secret" not in line and "acme" not in line and "GPS" not in line and "Bearer" not in line
+    )
     assert record["prompt_len"] == len("the secret question")
     assert record["tenant_hash"] == logs.short_hash("acme")
     assert record["timings_ms"] == {"encode": 1.5}
