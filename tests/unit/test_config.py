@@ -67,3 +67,15 @@ def test_tenants_are_checked(tmp_path: Path) -> None:
 def test_core_refuses_a_public_plaintext_listen() -> None:
     with pytest.raises(ConfigError, match="loopback"):
         build(CoreConfig, "core", {}, {"VISOR_CORE_LISTEN": "0.0.0.0:50052"})
+
+
+def test_example_config_holds_every_key_with_its_default() -> None:
+    from core.config import CacheConfig
+    from shared.config import LogConfig
+
+    path = Path(__file__).resolve().parents[2] / "deploy" / "visor.example.toml"
+    data = read_file(path)
+    for cls, name in ((GatewayConfig, "gateway"), (LimitsConfig, "limits"), (CoreConfig, "core"),
+                      (CacheConfig, "cache"), (LogConfig, "log")):  # fmt: skip
+        assert build(cls, name, data, {}) == cls(), name  # type: ignore[call-arg]
+        assert set(data[name]) == {f for f in cls.__dataclass_fields__}, name
