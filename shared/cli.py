@@ -82,7 +82,10 @@ def _ask(args: argparse.Namespace) -> int:
         print(json.dumps(answer.as_json()))
     else:
         print()
-        stages = " ".join(f"{k}={v:.1f}" for k, v in sorted(answer.timings_ms.items()))
+        from shared.metrics import STAGES
+
+        shown = [k for k in STAGES if k in answer.timings_ms]
+        stages = " ".join(f"{k}={answer.timings_ms[k]:.1f}" for k in shown)
         print(
             f"[served_by={answer.served_by} usage={answer.usage} timings_ms: {stages}]",
             file=sys.stderr,

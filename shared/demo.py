@@ -12,6 +12,7 @@ from pathlib import Path
 
 from shared import client, procs
 from shared.errors import VisorError
+from shared.metrics import STAGES
 
 GATEWAY, CORE = "127.0.0.1:50051", "127.0.0.1:50052"
 NOTE = (
@@ -41,7 +42,15 @@ def run(model: Path, samples: Path, serve: bool, config: Path | None) -> int:
         failures = sum(_ask(path, prompt) for path, prompt in _samples(samples))
         if serve:
             print("serving; press Ctrl-C to stop", flush=True)
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
+            while core.poll() is None and gateway.poll() is None:
+                time.sleep(0.5)
+            # Ctrl-C reaches the services too; they stop cleanly (exit 0) on their own.
+            codes = [p.poll() for p in (core, gateway)]
+            if any(code not in (None, 0) for code in codes):
+                print(f"a service exited with {codes}; stopping", file=sys.stderr)
+                return 1
+            return 0
         return 1 if failures else 0
     except KeyboardInterrupt:
         return 0
@@ -61,7 +70,7 @@ def _ask(path: Path, prompt: str) -> int:
         print(f"{path.name}: refused {err.reason.value}: {err.message}", file=sys.stderr)
         return 1
     wall = (time.perf_counter() - t0) * 1000
-    stages = ", ".join(f"{k} {v:.1f}" for k, v in answer.timings_ms.items())
+    stages = ", ".join(f"{k} {answer.timings_ms[k]:.1f}" for k in STAGES if k in answer.timings_ms)
     print(
         f"{path.name}: Q: {prompt}\n  A: {answer.text!r}\n  usage: {answer.usage}\n"
         f"  timings_ms: {stages}\n  wall {wall:.0f} ms, served by {answer.served_by}\n",
