@@ -37,6 +37,12 @@ class _Sequence:
     logits: torch.Tensor
 
 
+def num_tiles(rows: int, cols: int) -> int:
+    """Tiles of a grid: every cell, plus a global thumbnail when there is more than one cell."""
+    cells = rows * cols
+    return cells + 1 if cells > 1 else cells
+
+
 class Engine:
     def __init__(self, model_dir: Path, core_id: str, num_threads: int = 0) -> None:
         if not (model_dir / "config.json").exists():
@@ -72,7 +78,7 @@ class Engine:
         """Refuses items whose declared geometry is not what this encoder takes."""
         size = self.info.image_size
         for item in req.items:
-            tiles = item.tile_rows * item.tile_cols
+            tiles = num_tiles(item.tile_rows, item.tile_cols)
             if (
                 item.preprocess_version != self.info.preprocess_version
                 or item.resolution != size

@@ -47,6 +47,7 @@ def request_from_proto(h: core_pb2.InferHeader) -> InferRequest:
                 i.tile_cols,
                 i.dtype,
                 tuple(i.shape),
+                i.frame,
             )
             for i in h.items
         ),

@@ -27,6 +27,7 @@ class ItemSpec:
     tile_cols: int  # tile grid cols
     dtype: str  # wire dtype
     shape: tuple[int, ...]  # (tiles, 3, resolution, resolution)
+    frame: int = 0  # frame index within an animation or video
 
 
 @dataclass(frozen=True, slots=True)

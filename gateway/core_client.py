@@ -43,6 +43,7 @@ class ItemHeader:
     tile_rows: int  # grid rows
     tile_cols: int  # grid cols
     shape: tuple[int, ...]  # tensor shape
+    frame: int = 0  # frame index within an animation or video
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,7 @@ def _header(req: CoreRequest) -> core_pb2.InferHeader:
             tile_cols=item.tile_cols,
             dtype="uint8",
             shape=list(item.shape),
+            frame=item.frame,
         )
     return header
 

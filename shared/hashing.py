@@ -28,6 +28,7 @@ class FeatureKey:
     resolution: int  # side of each tile in pixels
     tile_rows: int  # tile grid rows
     tile_cols: int  # tile grid cols
+    frame: int = 0  # frame index within an animation or video
 
     def encode(self) -> bytes:
         fields = (
@@ -38,5 +39,6 @@ class FeatureKey:
             self.preprocess_version,
             str(self.resolution),
             f"{self.tile_rows}x{self.tile_cols}",
+            str(self.frame),
         )
         return "\x1f".join(fields).encode()
