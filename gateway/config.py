@@ -11,6 +11,7 @@ from shared.config import ConfigError
 from shared.net import split_host_port
 
 MIB = 1024 * 1024
+SANDBOX_MODES = ("strict", "best-effort")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,17 @@ class GatewayConfig:
     worker_max_jobs: int = 200  # a worker is replaced after this many jobs
     grace_s: float = 5.0  # how long shutdown waits for requests in flight
     default_profile: str = "none"  # compression profile when a request names none
+    sandbox: str = "best-effort"  # "strict" refuses to start unless every protection is active
+    worker_memory_mb: int = 2048  # RLIMIT_AS per decode worker (its whole address space)
+    worker_shm_mb: int = 32  # shared-memory pixel buffer per worker (decoded tiles of one job)
+    max_decode_queue: int = 64  # decode jobs waiting for a worker before OVERLOADED
+    max_concurrent_streams: int = 256  # HTTP/2 streams per client connection
+    max_connection_idle_s: float = 300.0  # an idle client connection is closed after this
+    keepalive_min_interval_s: float = 30.0  # pings more often than this are a policy violation
+    default_deadline_s: float = 120.0  # applied when the client sends no deadline
+    max_concurrent_per_tenant: int = 0  # requests in flight per tenant; 0 = no cap
+    rate_per_tenant: float = 0.0  # requests per second per tenant (token bucket); 0 = no cap
+    burst_per_tenant: int = 0  # token-bucket size; 0 = max(1, rate_per_tenant)
 
     def validate(self) -> None:
         split_host_port(self.listen)
@@ -32,6 +44,24 @@ class GatewayConfig:
             split_host_port(core)
         if self.decode_workers < 1 or self.worker_max_jobs < 1 or self.decode_timeout_s <= 0:
             raise ConfigError("[gateway] decode_workers, worker_max_jobs, decode_timeout_s > 0")
+        if self.sandbox not in SANDBOX_MODES:
+            raise ConfigError(f"[gateway] sandbox must be one of {', '.join(SANDBOX_MODES)}")
+        positive = (
+            self.worker_memory_mb,
+            self.worker_shm_mb,
+            self.max_decode_queue,
+            self.max_concurrent_streams,
+            self.max_connection_idle_s,
+            self.keepalive_min_interval_s,
+            self.default_deadline_s,
+        )
+        if min(positive) <= 0:
+            raise ConfigError(
+                "[gateway] worker_memory_mb, worker_shm_mb, max_decode_queue, "
+                "max_concurrent_streams and the keepalive/idle/deadline seconds must be > 0"
+            )
+        if min(self.max_concurrent_per_tenant, self.rate_per_tenant, self.burst_per_tenant) < 0:
+            raise ConfigError("[gateway] per-tenant quotas must be >= 0 (0 = no cap)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +75,8 @@ class LimitsConfig:
     max_pixels: int = 7680 * 4320  # pixels per frame, read from the header
     max_side: int = 16384  # width or height, read from the header
     max_frames: int = 64  # declared frames of an animation
+    max_sampled_frames: int = 8  # frames sampled uniformly from an animation, one item each
+    max_tiles: int = 6  # grid cells for detail=high (plus one thumbnail tile)
 
     def validate(self) -> None:
         for name in self.__slots__:

@@ -56,6 +56,9 @@ class CoreRequest:
     params: Params  # generation controls, max_new_tokens resolved
     items: tuple[ItemHeader, ...]  # one per media item, in order
     profile: str  # compression profile
+    # Core items each turn shows (an animation counts once per sampled frame); empty = one per
+    # media item, as before frames were sampled.
+    num_images: tuple[int, ...] = ()
 
 
 def _header(req: CoreRequest) -> core_pb2.InferHeader:
@@ -74,8 +77,9 @@ def _header(req: CoreRequest) -> core_pb2.InferHeader:
             stop=list(p.stop),
         ),
     )
-    for t in req.turns:
-        header.turns.add(role=t.role, text=t.text, num_images=len(t.media))
+    counts = req.num_images or tuple(len(t.media) for t in req.turns)
+    for t, count in zip(req.turns, counts, strict=True):
+        header.turns.add(role=t.role, text=t.text, num_images=count)
     for item in req.items:
         header.items.add(
             content_hash=item.content_hash,

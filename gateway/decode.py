@@ -8,13 +8,15 @@ raster is allocated.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, features
 
 from shared.errors import Reason, VisorError
 
@@ -29,11 +31,62 @@ class Probe:
     num_frames: int  # declared frames (1 for a still image)
 
 
+# EXIF orientations that swap width and height.
+TRANSPOSED = (5, 6, 7, 8)
+ORIENTATION_TAG = 0x0112
+HAS_LCMS = bool(features.check("littlecms2"))
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """What one decode job must produce (crosses the pipe as JSON)."""
+
+    fmt: str  # Pillow format name from the sniffer
+    size: int  # tile side
+    fill: tuple[int, int, int]  # padding colour (the encoder's mean)
+    rows: int  # tile grid rows
+    cols: int  # tile grid columns
+    frames: tuple[int, ...]  # frame indices to decode, one item each
+    max_pixels: int  # per frame, rechecked here
+    max_side: int  # per side, rechecked here
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fmt": self.fmt,
+            "size": self.size,
+            "fill": list(self.fill),
+            "rows": self.rows,
+            "cols": self.cols,
+            "frames": list(self.frames),
+            "max_pixels": self.max_pixels,
+            "max_side": self.max_side,
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Spec:
+        r, g, b = (int(v) for v in d["fill"])
+        return Spec(
+            str(d["fmt"]),
+            int(d["size"]),
+            (r, g, b),
+            int(d["rows"]),
+            int(d["cols"]),
+            tuple(int(f) for f in d["frames"]),
+            int(d["max_pixels"]),
+            int(d["max_side"]),
+        )
+
+    @property
+    def num_tiles(self) -> int:
+        cells = self.rows * self.cols
+        return cells + 1 if cells > 1 else cells
+
+
 @dataclass(frozen=True, slots=True)
 class Decoded:
-    pixels: np.ndarray  # (tiles, 3, size, size) uint8, RGB, channels first
+    items: tuple[np.ndarray, ...]  # per frame: (tiles, 3, size, size) uint8, RGB, channels first
     decode_ms: float  # raster decode time
-    preprocess_ms: float  # orient + convert + resize time
+    preprocess_ms: float  # orient + convert + resize + tile time
 
 
 def init_worker(max_pixels: int) -> None:
@@ -90,50 +143,155 @@ def probe(data: bytes, fmt: str, max_pixels: int, max_side: int, max_frames: int
             raise VisorError(
                 Reason.CORRUPT_MEDIA, "media could not be parsed", type(exc).__name__
             ) from None
+        if _orientation(img) in TRANSPOSED:
+            width, height = height, width  # the grid is chosen for the upright image
         return Probe(width, height, num_frames)
 
 
-def decode(
-    data: bytes, fmt: str, size: int, fill: tuple[int, int, int], max_pixels: int, max_side: int
-) -> Decoded:
-    """Decodes the first frame and preprocesses it to one `size` x `size` tile."""
+def _orientation(img: Image.Image) -> int:
+    try:
+        return int(img.getexif().get(ORIENTATION_TAG, 1))
+    except Exception:
+        return 1  # unreadable EXIF: decode as stored
+
+
+def decode(data: bytes, spec: Spec) -> Decoded:
+    """Decodes the requested frames, each to `spec.num_tiles` tiles of `spec.size`."""
     t0 = time.perf_counter()
-    with _open(data, fmt) as img:
-        _check_pixels(*img.size, max_pixels, max_side)
+    decode_s = 0.0
+    items = []
+    with _open(data, spec.fmt) as img:
+        _check_pixels(*img.size, spec.max_pixels, spec.max_side)
         try:
-            img.load()
-            t1 = time.perf_counter()
-            upright = ImageOps.exif_transpose(img)
-            rgb = _to_rgb(upright)
+            if spec.fmt == "JPEG":
+                _draft(img, spec)
+            for index in spec.frames:
+                t1 = time.perf_counter()
+                if index:
+                    img.seek(index)
+                    _check_pixels(*img.size, spec.max_pixels, spec.max_side)
+                img.load()
+                decode_s += time.perf_counter() - t1
+                items.append(_preprocess(_upright(img), spec))
         except VisorError:
             raise
         except Exception as exc:
             raise VisorError(
                 Reason.CORRUPT_MEDIA, "media could not be decoded", type(exc).__name__
             ) from None
-    tile = _letterbox(rgb, size, fill)
-    pixels = np.asarray(tile, dtype=np.uint8).transpose(2, 0, 1)[None].copy()
-    t2 = time.perf_counter()
-    return Decoded(pixels, (t1 - t0) * 1000, (t2 - t1) * 1000)
+    total_s = time.perf_counter() - t0
+    return Decoded(tuple(items), decode_s * 1000, (total_s - decode_s) * 1000)
+
+
+def _draft(img: Image.Image, spec: Spec) -> None:
+    """Lets libjpeg scale by 1/2, 1/4 or 1/8 during the DCT when the target is that much smaller:
+    the largest win on big photos, and the result never drops below the target size."""
+    w, h = img.size
+    if _orientation(img) in TRANSPOSED:
+        w, h = h, w
+    scale = min(spec.cols * spec.size / w, spec.rows * spec.size / h)
+    if scale < 0.5:
+        tw, th = max(1, int(w * scale)), max(1, int(h * scale))
+        if _orientation(img) in TRANSPOSED:
+            tw, th = th, tw
+        img.draft("RGB", (tw, th))
+
+
+def _upright(img: Image.Image) -> Image.Image:
+    upright = ImageOps.exif_transpose(img) if _orientation(img) != 1 else img
+    return _to_srgb(_to_rgb(upright), img)
+
+
+def _to_srgb(rgb: Image.Image, src: Image.Image) -> Image.Image:
+    """Converts an embedded ICC profile to sRGB where this Pillow has LittleCMS; otherwise the
+    pixels are taken as sRGB (the README states it). A profile that does not parse is ignored."""
+    icc = src.info.get("icc_profile")
+    if not icc or not HAS_LCMS:
+        return rgb
+    from PIL import ImageCms
+
+    try:
+        profile = ImageCms.ImageCmsProfile(io.BytesIO(icc))
+        out = ImageCms.profileToProfile(
+            rgb, profile, ImageCms.createProfile("sRGB"), outputMode="RGB"
+        )
+    except Exception:
+        return rgb
+    return out if out is not None else rgb
+
+
+def _preprocess(rgb: Image.Image, spec: Spec) -> np.ndarray:
+    tiles = []
+    if spec.rows * spec.cols > 1:
+        tiles.append(_letterbox(rgb, spec.size, spec.fill))  # the global thumbnail comes first
+        canvas = _fit(rgb, spec.cols * spec.size, spec.rows * spec.size, spec.fill)
+        for r in range(spec.rows):
+            for c in range(spec.cols):
+                box = (c * spec.size, r * spec.size, (c + 1) * spec.size, (r + 1) * spec.size)
+                tiles.append(canvas.crop(box))
+    else:
+        tiles.append(_letterbox(rgb, spec.size, spec.fill))
+    return np.stack([np.asarray(t, dtype=np.uint8) for t in tiles]).transpose(0, 3, 1, 2).copy()
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
-    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+    if img.mode == "RGB":
+        return img  # no needless convert
+    if img.mode in ("RGBA", "LA", "PA", "RGBa") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")
         flat = Image.new("RGB", rgba.size, BACKGROUND)
         flat.paste(rgba, mask=rgba.getchannel("A"))
         return flat
-    if img.mode == "I;16" or img.mode.startswith("I;16"):
+    if img.mode.startswith("I;16"):
         arr = (np.asarray(img, dtype=np.uint16) >> 8).astype(np.uint8)
+        return Image.fromarray(arr, "L").convert("RGB")
+    if img.mode == "I":
+        arr = (np.clip(np.asarray(img, dtype=np.int64), 0, 65535) >> 8).astype(np.uint8)
         return Image.fromarray(arr, "L").convert("RGB")
     return img.convert("RGB")
 
 
-def _letterbox(img: Image.Image, size: int, fill: tuple[int, int, int]) -> Image.Image:
-    """Fits the whole image into a square (aspect kept, padded with the encoder's mean colour)."""
-    scale = size / max(img.size)
+def _fit(img: Image.Image, width: int, height: int, fill: tuple[int, int, int]) -> Image.Image:
+    """Fits the whole image into `width` x `height` (aspect kept, centred, padded with `fill`)."""
+    scale = min(width / img.width, height / img.height)
     w, h = max(1, round(img.width * scale)), max(1, round(img.height * scale))
     resized = img.resize((w, h), Image.Resampling.BICUBIC, reducing_gap=3.0)
-    canvas = Image.new("RGB", (size, size), fill)
-    canvas.paste(resized, ((size - w) // 2, (size - h) // 2))
+    canvas = Image.new("RGB", (width, height), fill)
+    canvas.paste(resized, ((width - w) // 2, (height - h) // 2))
     return canvas
+
+
+def _letterbox(img: Image.Image, size: int, fill: tuple[int, int, int]) -> Image.Image:
+    return _fit(img, size, size, fill)
+
+
+def _sample(fmt: str, animated: bool = False) -> bytes:
+    buf = io.BytesIO()
+    frames = [Image.new("RGBA", (8, 8), (i * 60, 0, 0, 128)) for i in range(2)]
+    if animated:
+        frames[0].save(buf, fmt, save_all=True, append_images=frames[1:])
+    elif fmt == "JPEG":
+        Image.new("RGB", (64, 48)).save(buf, fmt)
+    else:
+        frames[0].save(buf, fmt)
+    return buf.getvalue()
+
+
+def warm() -> None:
+    """Runs every code path once so that Pillow's lazily imported plugins and helpers are loaded
+    before seccomp forbids opening files (an import after that would kill the worker)."""
+    Image.init()
+    for fmt in ("JPEG", "PNG", "GIF", "WEBP"):
+        for animated in (False, True) if fmt != "JPEG" else (False,):
+            data = _sample(fmt, animated)
+            p = probe(data, fmt, 1 << 20, 1 << 10, 8)
+            frames = tuple(range(p.num_frames))
+            for rows, cols in ((1, 1), (1, 2)):
+                decode(data, Spec(fmt, 16, (0, 0, 0), rows, cols, frames, 1 << 20, 1 << 10))
+    big = io.BytesIO()
+    Image.new("RGB", (512, 512)).save(big, "JPEG")
+    decode(big.getvalue(), Spec("JPEG", 16, (0, 0, 0), 1, 1, (0,), 1 << 20, 1 << 10))
+    for mode in ("L", "LA", "P", "CMYK", "I;16", "I", "1", "RGBa"):
+        _to_rgb(Image.new(mode, (2, 2)))
+    with contextlib.suppress(VisorError):
+        _open(b"\xff\xd8\xff", "JPEG")

@@ -1,34 +1,69 @@
-"""One request through the gateway: limits -> sniff -> probe -> handshake -> decode misses ->
-stream tensors -> relay tokens. Plain values in, plain events out."""
+"""One request through the gateway: limits -> sniff -> probe -> plan items -> handshake with the
+core -> decode misses -> stream tensors -> relay tokens. Plain values in, plain events out.
+
+An animation becomes one item per sampled frame (same content hash, its own frame index); a
+`detail=high` image becomes one item of several tiles. Both are planned from headers alone, so the
+core is told every item's geometry before any pixel is decoded.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from dataclasses import replace
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 
-from gateway import decode, limits
+from gateway import decode, limits, tiling
 from gateway.config import LimitsConfig
-from gateway.core_client import CoreClient, CoreFinal, CoreRequest, ItemHeader
+from gateway.core_client import CoreClient, CoreFinal, CoreRequest, Geometry, ItemHeader
 from gateway.pool import DecodePool
+from gateway.quota import Quotas
 from gateway.sniff import sniff
 from gateway.types import Ask, Delta, Final
+from shared.errors import Reason, VisorError
 from shared.hashing import content_hash
+
+T = TypeVar("T")
 
 
 def _ms(since: float) -> float:
     return (time.perf_counter() - since) * 1000
 
 
+async def _within(deadline: float | None, work: Awaitable[T]) -> T:
+    """Bounds waiting for decode workers by the request's own deadline (perf_counter time)."""
+    if deadline is None:
+        return await work
+    try:
+        return await asyncio.wait_for(work, max(0.0, deadline - time.perf_counter()))
+    except TimeoutError:
+        raise VisorError(Reason.DEADLINE_EXCEEDED, "the deadline passed") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What one media item becomes."""
+
+    media: int  # index into the request's media
+    grid: tiling.Grid  # tile grid for every frame of it
+    frames: tuple[int, ...]  # sampled frame indices, one core item each
+
+
 class Pipeline:
     def __init__(
-        self, limits_cfg: LimitsConfig, pool: DecodePool, core: CoreClient, default_profile: str
+        self,
+        limits_cfg: LimitsConfig,
+        pool: DecodePool,
+        core: CoreClient,
+        default_profile: str,
+        quotas: Quotas | None = None,
     ) -> None:
         self.limits, self.pool, self.core = limits_cfg, pool, core
         self.default_profile = default_profile
+        self.quotas = quotas or Quotas(0, 0.0, 0)
 
     async def generate(
         self,
@@ -41,6 +76,22 @@ class Pipeline:
     ) -> AsyncIterator[Delta | Final]:
         """`started` is when the request arrived (perf_counter); `timings` holds `receive`."""
         max_new = limits.check_request(self.limits, ask)
+        with self.quotas.admit(tenant):
+            async for event in self._generate(
+                tenant, request_id, ask, max_new, started, timings, timeout
+            ):
+                yield event
+
+    async def _generate(
+        self,
+        tenant: str,
+        request_id: str,
+        ask: Ask,
+        max_new: int,
+        started: float,
+        timings: dict[str, float],
+        timeout: float | None,
+    ) -> AsyncIterator[Delta | Final]:
         media = [m for t in ask.turns for m in t.media]
         t0 = time.perf_counter()
         formats = [sniff(m) for m in media]
@@ -48,44 +99,26 @@ class Pipeline:
         if media:
             timings["sniff"] = _ms(t0)
         geo = await self.core.geometry(timeout)
-        if media:
-            t0 = time.perf_counter()
-            lim = self.limits
-            await asyncio.gather(
-                *(
-                    self.pool.run(decode.probe, m, f, lim.max_pixels, lim.max_side, lim.max_frames)
-                    for m, f in zip(media, formats, strict=True)
-                )
+        deadline = started + timeout if timeout is not None else None
+        plans = await self._plan(media, formats, ask.detail, geo, timings, deadline)
+        items = [(p, f) for p in plans for f in p.frames]
+        headers = tuple(
+            ItemHeader(
+                hashes[p.media],
+                geo.preprocess_version,
+                geo.image_size,
+                p.grid.rows,
+                p.grid.cols,
+                (p.grid.num_tiles, 3, geo.image_size, geo.image_size),
+                frame,
             )
-            timings["probe"] = _ms(t0)
-        size = geo.image_size
-        items = tuple(
-            ItemHeader(h, geo.preprocess_version, size, 1, 1, (1, 3, size, size)) for h in hashes
+            for p, frame in items
         )
-
         missed: list[int] = []
 
         async def pixels_for(missing: list[int]) -> list[np.ndarray]:
             missed.extend(missing)
-            lim = self.limits
-            done = await asyncio.gather(
-                *(
-                    self.pool.run(
-                        decode.decode,
-                        media[i],
-                        formats[i],
-                        size,
-                        geo.fill,
-                        lim.max_pixels,
-                        lim.max_side,
-                    )
-                    for i in missing
-                )
-            )
-            if done:
-                timings["image_decode"] = sum(d.decode_ms for d in done)
-                timings["preprocess"] = sum(d.preprocess_ms for d in done)
-            return [d.pixels for d in done]
+            return await self._decode(media, formats, geo, items, missing, timings, deadline)
 
         def on_transfer(ms: float) -> None:
             timings["transfer"] = ms
@@ -95,8 +128,9 @@ class Pipeline:
             request_id,
             ask.turns,
             replace(ask.params, max_new_tokens=max_new),
-            items,
+            headers,
             ask.profile or self.default_profile,
+            _images_per_turn(ask, plans),
         )
         first = True
         async for event in self.core.infer(req, timeout, pixels_for, on_transfer):
@@ -105,7 +139,90 @@ class Pipeline:
                     timings["ttft"], first = _ms(started), False
                 yield event
             else:
-                yield _final(event, hashes, set(missed), timings, started, first)
+                item_hashes = [h.content_hash for h in headers]
+                yield _final(event, item_hashes, set(missed), timings, started, first)
+
+    async def _plan(
+        self,
+        media: list[bytes],
+        formats: list[str],
+        detail: str,
+        geo: Geometry,
+        timings: dict[str, float],
+        deadline: float | None,
+    ) -> list[Plan]:
+        if not media:
+            return []
+        t0 = time.perf_counter()
+        lim = self.limits
+        args = {"max_pixels": lim.max_pixels, "max_side": lim.max_side}
+        args["max_frames"] = lim.max_frames
+        jobs = [
+            self.pool.run("probe", {**args, "fmt": f}, m)
+            for m, f in zip(media, formats, strict=True)
+        ]
+        probes = await _within(deadline, asyncio.gather(*jobs))
+        timings["probe"] = _ms(t0)
+        plans = []
+        for index, reply in enumerate(probes):
+            w, h = int(reply.body["width"]), int(reply.body["height"])
+            grid = tiling.grid_for(detail, w, h, geo.image_size, lim.max_tiles)
+            frames = tiling.sample_frames(int(reply.body["num_frames"]), lim.max_sampled_frames)
+            plans.append(Plan(index, grid, frames))
+        return plans
+
+    async def _decode(
+        self,
+        media: list[bytes],
+        formats: list[str],
+        geo: Geometry,
+        items: list[tuple[Plan, int]],
+        missing: list[int],
+        timings: dict[str, float],
+        deadline: float | None,
+    ) -> list[np.ndarray]:
+        """Decodes each media item once, for all of its frames the core lacks."""
+        wanted: dict[int, list[int]] = {}
+        for i in missing:
+            plan, frame = items[i]
+            wanted.setdefault(plan.media, []).append(frame)
+        grids = {p.media: p.grid for p, _ in items}
+        lim = self.limits
+        order = list(wanted)
+        jobs = []
+        for m in order:
+            spec = decode.Spec(
+                formats[m],
+                geo.image_size,
+                geo.fill,
+                grids[m].rows,
+                grids[m].cols,
+                tuple(wanted[m]),
+                lim.max_pixels,
+                lim.max_side,
+            )
+            jobs.append(self.pool.run("decode", spec.to_json(), media[m]))
+        replies = await _within(deadline, asyncio.gather(*jobs))
+        if replies:
+            timings["image_decode"] = sum(float(r.body["decode_ms"]) for r in replies)
+            timings["preprocess"] = sum(float(r.body["preprocess_ms"]) for r in replies)
+        size = geo.image_size
+        for m, r in zip(order, replies, strict=True):
+            expected = (grids[m].num_tiles, 3, size, size)
+            if len(r.arrays) != len(wanted[m]) or any(a.shape != expected for a in r.arrays):
+                # Only a misbehaving (compromised) worker answers with other geometry.
+                raise VisorError(Reason.DECODER_CRASHED, "the decoder returned the wrong geometry")
+        by_media = {m: list(r.arrays) for m, r in zip(order, replies, strict=True)}
+        return [by_media[items[i][0].media].pop(0) for i in missing]
+
+
+def _images_per_turn(ask: Ask, plans: list[Plan]) -> tuple[int, ...]:
+    """Core items per turn: a media item counts once per sampled frame."""
+    out, index = [], 0
+    for turn in ask.turns:
+        out.append(sum(len(plans[index + k].frames) for k in range(len(turn.media))))
+        index += len(turn.media)
+    return tuple(out)
 
 
 def _final(

@@ -3,11 +3,21 @@ objects, and before any server socket exists), then the gRPC server; serves unti
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import sys
+from importlib import metadata
+
+import grpc
+from grpc_health.v1 import health_pb2
+
 from gateway.auth import Authenticator
-from gateway.config import GatewayConfig, LimitsConfig, Tenant
+from gateway.config import MIB, GatewayConfig, LimitsConfig, Tenant
 from gateway.core_client import CoreClient
 from gateway.pipeline import Pipeline
-from gateway.pool import DecodePool
+from gateway.pool import DecodePool, PoolSettings
+from gateway.quota import Quotas
+from gateway.sandbox import PROTECTIONS
 from gateway.servicer import GatewayServicer
 from shared import logs, metrics, serving
 from shared.config import ConfigError
@@ -15,6 +25,97 @@ from shared.net import is_loopback
 from shared.proto import gateway_pb2_grpc
 
 SERVICE = "visor.v1.Gateway"
+# Health service that is SERVING only while every sandbox protection is active on this host, so
+# a probe (or `grpc_health_probe -service visor.sandbox`) can see a weakened deployment.
+SANDBOX_HEALTH = "visor.sandbox"
+
+
+def pool_settings(cfg: GatewayConfig, lim: LimitsConfig, test_jobs: bool = False) -> PoolSettings:
+    return PoolSettings(
+        cfg.decode_workers,
+        cfg.decode_timeout_s,
+        cfg.worker_max_jobs,
+        lim.max_pixels,
+        cfg.worker_memory_mb * MIB,
+        cfg.worker_shm_mb * MIB,
+        cfg.max_decode_queue,
+        test_jobs,
+    )
+
+
+def missing(report: dict[str, str]) -> list[str]:
+    return [p for p in PROTECTIONS if report.get(p) != "active"]
+
+
+def check_sandbox(cfg: GatewayConfig, lim: LimitsConfig) -> int:
+    """`visor gateway --check-sandbox`: starts one worker, prints what protects it, exits 0 when
+    everything is active and 1 otherwise."""
+    pool = DecodePool(dataclasses.replace(pool_settings(cfg, lim), workers=1))
+    try:
+        report = pool.start()
+    finally:
+        pool.close()
+    for name in PROTECTIONS:
+        print(f"{name:18} {report.get(name, 'missing: not reported')}")
+    gaps = missing(report)
+    print("sandbox: all protections active" if not gaps else f"sandbox: missing {', '.join(gaps)}")
+    return 0 if not gaps else 1
+
+
+def pillow_build() -> dict[str, str]:
+    import PIL
+    from PIL import features
+
+    name = "Pillow"
+    try:
+        metadata.distribution("pillow-simd")
+        name = "pillow-simd"
+    except metadata.PackageNotFoundError:
+        pass
+    turbo = "libjpeg-turbo" if features.check_feature("libjpeg_turbo") else "libjpeg"
+    return {"backend": name, "version": f"{PIL.__version__} ({turbo} {features.version('jpg')})"}
+
+
+def new_server(cfg: GatewayConfig) -> grpc.aio.Server:
+    ms = 1000
+    return grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", serving.MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", serving.MAX_MESSAGE_BYTES),
+            ("grpc.max_metadata_size", 16 * 1024),
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_concurrent_streams", cfg.max_concurrent_streams),
+            ("grpc.max_connection_idle_ms", int(cfg.max_connection_idle_s * ms)),
+            # Keepalive enforcement: a client pinging more often than this, or without calls in
+            # flight, gets strikes and then GOAWAY (a cheap way to keep a server busy otherwise).
+            (
+                "grpc.http2.min_recv_ping_interval_without_data_ms",
+                int(cfg.keepalive_min_interval_s * ms),
+            ),
+            ("grpc.http2.max_ping_strikes", 2),
+            ("grpc.keepalive_permit_without_calls", 0),
+            ("grpc.keepalive_time_ms", 60 * ms),
+            ("grpc.keepalive_timeout_ms", 20 * ms),
+        ],
+        maximum_concurrent_rpcs=cfg.max_concurrent_streams * 4,
+    )
+
+
+def _start_pool(cfg: GatewayConfig, lim: LimitsConfig, log: object) -> DecodePool:
+    pool = DecodePool(pool_settings(cfg, lim))
+    report = pool.start()
+    gaps = missing(report)
+    log.info("sandbox", protections=report, workers=cfg.decode_workers, pid=pool.pids())  # type: ignore[attr-defined]
+    if gaps and cfg.sandbox == "strict":
+        pool.close()
+        raise ConfigError(f'[gateway] sandbox = "strict" but missing: {", ".join(gaps)}')
+    if gaps:
+        log.warning("sandbox_weakened", protections={g: report.get(g, "") for g in gaps})  # type: ignore[attr-defined]
+        print(
+            f"visor gateway: WARNING: sandbox protections missing: {', '.join(gaps)}",
+            file=sys.stderr,
+        )
+    return pool
 
 
 async def run(cfg: GatewayConfig, lim: LimitsConfig, tenants: tuple[Tenant, ...]) -> None:
@@ -23,24 +124,29 @@ async def run(cfg: GatewayConfig, lim: LimitsConfig, tenants: tuple[Tenant, ...]
         auth = Authenticator.for_listen(tenants, is_loopback(cfg.listen))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    pool = DecodePool(cfg.decode_workers, cfg.decode_timeout_s, cfg.worker_max_jobs, lim.max_pixels)
-    pool.start()
+    log.info("pillow", **pillow_build())
+    pool = _start_pool(cfg, lim, log)
     core = CoreClient(cfg.cores[0])
-    server = serving.new_server()
-    servicer = GatewayServicer(auth, Pipeline(lim, pool, core, cfg.default_profile), lim)
+    quotas = Quotas(cfg.max_concurrent_per_tenant, cfg.rate_per_tenant, cfg.burst_per_tenant)
+    server = new_server(cfg)
+    pipeline = Pipeline(lim, pool, core, cfg.default_profile, quotas)
+    servicer = GatewayServicer(auth, pipeline, lim, cfg.default_deadline_s)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     health = serving.add_health_and_reflection(server, [SERVICE])
     serving.bind(server, cfg.listen)
     metrics.serve(cfg.metrics_listen)
     await server.start()
     await serving.set_serving(health, [SERVICE])
+    sandbox_ok = not missing(pool.report)
+    status = health_pb2.HealthCheckResponse
+    await health.set(SANDBOX_HEALTH, status.SERVING if sandbox_ok else status.NOT_SERVING)
     log.info(
         "gateway_started", listen=cfg.listen, cores=list(cfg.cores), workers=cfg.decode_workers
     )
 
     async def close() -> None:
         await core.close()
-        pool.close()
+        await asyncio.to_thread(pool.close)
         log.info("gateway_stopped")
 
     await serving.serve_until_signal(server, cfg.grace_s, close)

@@ -64,8 +64,15 @@ def _event(out: Delta | Final) -> gateway_pb2.GenerateEvent:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, auth: Authenticator, pipeline: Pipeline, limits_cfg: LimitsConfig) -> None:
+    def __init__(
+        self,
+        auth: Authenticator,
+        pipeline: Pipeline,
+        limits_cfg: LimitsConfig,
+        default_deadline_s: float = 120.0,
+    ) -> None:
         self.auth, self.pipeline, self.limits = auth, pipeline, limits_cfg
+        self.default_deadline_s = default_deadline_s
 
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -90,25 +97,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
         request_id = uuid.uuid4().hex
         outcome = "error"
+        # A client that sends no deadline gets the default one, so nothing waits forever.
+        remaining = context.time_remaining()
+        timeout = self.default_deadline_s if remaining is None else remaining
         try:
-            tenant = self.auth.tenant(context.invocation_metadata() or ())
-            ask = await receive()  # type: ignore[operator]
-            timings = {"receive": (time.perf_counter() - started) * 1000}
-            async for out in self.pipeline.generate(
-                tenant, request_id, ask, started, timings, context.time_remaining()
-            ):
-                if isinstance(out, Final):
-                    observe(metrics.STAGES, out.timings_ms)
-                    log.info(
-                        "request_done",
-                        request_id=request_id,
-                        tenant=tenant,
-                        num_items=len(out.cache),
-                        timings_ms=out.timings_ms,
-                        output_tokens=out.output_tokens,
-                        core=out.served_by,
-                    )
-                yield _event(out)
+            async for event in self._answer(context, started, receive, request_id, timeout):
+                yield event
             outcome = "ok"
         except VisorError as err:
             outcome = err.reason.value
@@ -126,6 +120,31 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             )
         finally:
             metrics.REQUESTS.labels(outcome=outcome).inc()
+
+    async def _answer(
+        self,
+        context: grpc.aio.ServicerContext,
+        started: float,
+        receive: object,
+        request_id: str,
+        timeout: float,
+    ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
+        tenant = self.auth.tenant(context.invocation_metadata() or ())
+        ask = await receive()  # type: ignore[operator]
+        timings = {"receive": (time.perf_counter() - started) * 1000}
+        async for out in self.pipeline.generate(tenant, request_id, ask, started, timings, timeout):
+            if isinstance(out, Final):
+                observe(metrics.STAGES, out.timings_ms)
+                log.info(
+                    "request_done",
+                    request_id=request_id,
+                    tenant=tenant,
+                    num_items=len(out.cache),
+                    timings_ms=out.timings_ms,
+                    output_tokens=out.output_tokens,
+                    core=out.served_by,
+                )
+            yield _event(out)
 
 
 async def _unary(request: gateway_pb2.GenerateRequest) -> Ask:

@@ -40,6 +40,9 @@ def _gateway(args: argparse.Namespace) -> int:
     logs.configure("gateway", _log_level(data, env))
     from gateway import server
 
+    if getattr(args, "check_sandbox", False):
+        return server.check_sandbox(cfg, lim)
+
     asyncio.run(server.run(cfg, lim, tenants))
     return 0
 
@@ -123,6 +126,12 @@ def parser() -> argparse.ArgumentParser:
     for name, fn, text in (("core", _core, "run a core"), ("gateway", _gateway, "run a gateway")):
         s = sub.add_parser(name, help=text)
         s.add_argument("--config", type=Path, help="TOML file (default: built-in defaults)")
+        if name == "gateway":
+            s.add_argument(
+                "--check-sandbox",
+                action="store_true",
+                help="start one decode worker, print which protections are active, exit",
+            )
         s.set_defaults(fn=fn)
     a = sub.add_parser("ask", help="ask a gateway about images")
     a.add_argument("images", nargs="*", help="media files")

@@ -51,9 +51,13 @@ def assert_served(out: Outcome) -> gateway_pb2.Final:
     "name", sorted(p.name for p in SAMPLES.iterdir() if p.suffix in {".png", ".jpg", ".gif"})
 )
 def test_samples_are_served(stack: Stack, name: str) -> None:
-    final = assert_served(generate(stack.gateway, request(media=((SAMPLES / name).read_bytes(),))))
-    assert final.usage.visual_tokens_before == 196  # one 224 px tile of 16 px patches
-    assert [c.hit for c in final.cache] == [False]
+    data = (SAMPLES / name).read_bytes()
+    final = assert_served(generate(stack.gateway, request(media=(data,))))
+    # An animation becomes one item per sampled frame (up to [limits] max_sampled_frames = 8).
+    with Image.open(io.BytesIO(data)) as img:
+        items = min(int(getattr(img, "n_frames", 1)), 8)
+    assert final.usage.visual_tokens_before == 196 * items  # 224 px tiles of 16 px patches
+    assert [c.hit for c in final.cache] == [False] * items
 
 
 @pytest.mark.parametrize("name", ACCEPT or ["(corpus absent)"])
