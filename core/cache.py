@@ -27,6 +27,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 import xxhash
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from shared.hashing import FeatureKey
 
@@ -34,7 +35,7 @@ MAGIC, VERSION = b"VSRF", 1
 _HEADER = struct.Struct("<4sHBBddII")  # magic, version, dtype, flags, created, expires, n, hidden
 _META = struct.Struct("<dQ")  # last access, stored bytes
 _COUNT = struct.Struct("<Q")
-_DTYPES = {1: np.dtype(np.float32), 2: np.dtype(np.float16)}
+_DTYPES: dict[int, np.dtype[np.floating]] = {1: np.dtype(np.float32), 2: np.dtype(np.float16)}
 _DTYPE_CODES = {v: k for k, v in _DTYPES.items()}
 _ENCRYPTED = 1
 _FLUSH_TOUCHES = 256
@@ -75,9 +76,16 @@ def tenant_prefix(tenant: str) -> bytes:
 
 
 class FeatureCache:
-    def __init__(self, path: Path, max_bytes: int, ttl_s: float, tenant_max_bytes: int = 0,
-                 no_cache_tenants: Iterable[str] = (), master_key: bytes | None = None,
-                 clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+    def __init__(
+        self,
+        path: Path,
+        max_bytes: int,
+        ttl_s: float,
+        tenant_max_bytes: int = 0,
+        no_cache_tenants: Iterable[str] = (),
+        master_key: bytes | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         path.mkdir(parents=True, exist_ok=True)
         self.max_bytes, self.ttl_s = max_bytes, ttl_s
         self.tenant_max_bytes = tenant_max_bytes or max_bytes
@@ -85,8 +93,9 @@ class FeatureCache:
         self._master, self._clock = master_key, clock
         # Sparse file: the map costs disk only as it fills; the headroom absorbs LMDB's page
         # overhead so eviction, not MapFullError, is what bounds the cache.
-        self.env = lmdb.open(str(path), map_size=2 * max_bytes + 64 * MIB, max_dbs=3,
-                             readahead=False, metasync=False)  # fmt: skip
+        self.env = lmdb.open(
+            str(path), map_size=2 * max_bytes + 64 * MIB, max_dbs=3, readahead=False, metasync=False
+        )
         self._entries = self.env.open_db(b"entries")
         self._meta = self.env.open_db(b"meta")
         self._tenants = self.env.open_db(b"tenants")
@@ -159,11 +168,11 @@ class FeatureCache:
             self._evict(txn, total + size - int(limit * 0.9))
 
     def _evict(self, txn: lmdb.Transaction, need: int, prefix: bytes | None = None) -> None:
-        rows = []
+        rows: list[tuple[tuple[float, int], bytes]] = []
         cursor = txn.cursor(db=self._meta)
         found = cursor.set_range(prefix) if prefix else cursor.first()
         while found:
-            k, v = cursor.item()
+            k, v = bytes(cursor.key()), bytes(cursor.value())
             if prefix and not k.startswith(prefix):
                 break
             rows.append((_META.unpack(v), k))
@@ -235,8 +244,16 @@ class FeatureCache:
         with self.env.begin() as txn:
             entries = txn.stat(self._entries)["entries"]
             tenants = {k.hex(): _COUNT.unpack(v)[0] for k, v in txn.cursor(db=self._tenants)}
-        return Stats(entries, sum(tenants.values()), self.max_bytes, tenants, self._hits,
-                     self._misses, self._evictions, self._rejected)  # fmt: skip
+        return Stats(
+            entries,
+            sum(tenants.values()),
+            self.max_bytes,
+            tenants,
+            self._hits,
+            self._misses,
+            self._evictions,
+            self._rejected,
+        )
 
     def close(self) -> None:
         try:
@@ -246,9 +263,8 @@ class FeatureCache:
 
     # -- values -------------------------------------------------------------------------------
 
-    def _cipher(self, tenant: str) -> object:
+    def _cipher(self, tenant: str) -> AESGCM:
         from cryptography.hazmat.primitives import hashes
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
         from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
         assert self._master is not None
@@ -262,14 +278,15 @@ class FeatureCache:
         n, hidden = feats.shape
         now = self._clock()
         flags = _ENCRYPTED if self._master else 0
-        header = _HEADER.pack(MAGIC, VERSION, _DTYPE_CODES[feats.dtype], flags, now,
-                              now + self.ttl_s, n, hidden)  # fmt: skip
+        header = _HEADER.pack(
+            MAGIC, VERSION, _DTYPE_CODES[feats.dtype], flags, now, now + self.ttl_s, n, hidden
+        )
         payload = feats.tobytes() + scores.tobytes()
         if self._master:
             nonce = os.urandom(12)
-            sealed = self._cipher(tenant).encrypt(nonce, payload, k + header)  # type: ignore[attr-defined]
+            sealed = self._cipher(tenant).encrypt(nonce, payload, k + header)
             return header + nonce + sealed
-        return header + payload + xxhash.xxh3_64_digest(k + header + payload)
+        return bytes(header + payload + xxhash.xxh3_64_digest(k + header + payload))
 
     def _decode(self, k: bytes, tenant: str, value: bytes) -> Entry | None:
         if len(value) < _HEADER.size:
@@ -279,13 +296,14 @@ class FeatureCache:
         if magic != MAGIC or version != VERSION or dtype is None or expires < self._clock():
             return None
         header, body = value[: _HEADER.size], memoryview(value)[_HEADER.size :]
+        payload: bytes | memoryview
         if flags & _ENCRYPTED:
             if self._master is None:
                 return None
             try:
                 payload = self._cipher(tenant).decrypt(
                     bytes(body[:12]), bytes(body[12:]), k + header
-                )  # type: ignore[attr-defined]
+                )
             except Exception:
                 return None
         else:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 from shared.config import ConfigError
 from shared.net import is_loopback, split_host_port

@@ -59,8 +59,9 @@ class TorchEncoder:
     @torch.inference_mode()
     def encode(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         tensor = torch.from_numpy(np.array(pixels, copy=True))
-        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16
-                    else contextlib.nullcontext())  # fmt: skip
+        autocast = (
+            torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+        )
         with autocast:
             feats, scores = self.graph(tensor)
         return feats.float().numpy(), scores.float().numpy()
@@ -77,9 +78,17 @@ def export_onnx(model: Llava, folder: Path) -> Path:
     tiles = torch.export.Dim("tiles", min=1, max=MAX_EXPORT_BATCH)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     with torch.inference_mode(False), torch.no_grad():
-        torch.onnx.export(_Graph(model).eval(), (example,), str(tmp), input_names=[INPUT],
-                          output_names=[FEATURES, IMPORTANCE], dynamic_shapes=({0: tiles},),
-                          dynamo=True, verbose=False, external_data=False)  # fmt: skip
+        torch.onnx.export(
+            _Graph(model).eval(),
+            (example,),
+            str(tmp),
+            input_names=[INPUT],
+            output_names=[FEATURES, IMPORTANCE],
+            dynamic_shapes=({0: tiles},),
+            dynamo=True,
+            verbose=False,
+            external_data=False,
+        )
     tmp.replace(path)  # atomic: a concurrent reader never sees half a file
     return path
 
@@ -94,8 +103,9 @@ class OnnxRuntimeEncoder:
         if num_threads > 0:
             opts.intra_op_num_threads = num_threads
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self.session = ort.InferenceSession(str(onnx_path), opts,
-                                            providers=["CPUExecutionProvider"])  # fmt: skip
+        self.session = ort.InferenceSession(
+            str(onnx_path), opts, providers=["CPUExecutionProvider"]
+        )
 
     def encode(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         feats, scores = self.session.run([FEATURES, IMPORTANCE], {INPUT: pixels})

@@ -44,8 +44,14 @@ def num_tiles(rows: int, cols: int) -> int:
 
 
 class Engine:
-    def __init__(self, model_dir: Path, core_id: str, num_threads: int = 0,
-                 encoder: str = "torch", artifacts: Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_dir: Path,
+        core_id: str,
+        num_threads: int = 0,
+        encoder: str = "torch",
+        artifacts: Path | None = None,
+    ) -> None:
         if not (model_dir / "config.json").exists():
             raise FileNotFoundError(
                 f"no model at {model_dir}: build the demo one with "

@@ -33,7 +33,7 @@ class FeatureService:
                 item.tile_rows,
                 item.tile_cols,
                 item.frame,
-            )  # fmt: skip
+            )
             for item in req.items
         ]
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core.config import CacheConfig, CoreConfig
 from core.cache import FeatureCache, tune_malloc
+from core.config import CacheConfig, CoreConfig
 from core.engine import Engine
 from core.features import FeatureService
-from core.vision_queue import VisionQueue
 from core.servicer import CoreServicer
+from core.vision_queue import VisionQueue
 from shared import logs, metrics, serving
 from shared.proto import core_pb2, core_pb2_grpc
 
@@ -23,12 +23,19 @@ async def run(cfg: CoreConfig, cache: CacheConfig) -> None:
     engine = Engine(
         Path(cfg.model), cfg.resolved_core_id(), cfg.num_threads, cfg.encoder, artifacts
     )
-    queue = VisionQueue(engine.encoder.encode, engine.run, cfg.encode_batch_tiles,
-                        cfg.encode_max_wait_ms / 1000)  # fmt: skip
+    queue = VisionQueue(
+        engine.encoder.encode, engine.run, cfg.encode_batch_tiles, cfg.encode_max_wait_ms / 1000
+    )
     store = None
     if cache.enabled:
-        store = FeatureCache(Path(cache.path).expanduser(), cache.max_bytes, cache.ttl_s,
-                             cache.tenant_max_bytes, cache.no_cache_tenants, cache.master_key())  # fmt: skip
+        store = FeatureCache(
+            Path(cache.path).expanduser(),
+            cache.max_bytes,
+            cache.ttl_s,
+            cache.tenant_max_bytes,
+            cache.no_cache_tenants,
+            cache.master_key(),
+        )
     features = FeatureService(engine.info, queue, store)
     server = serving.new_server()
     core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine, features), server)  # type: ignore[no-untyped-call]

@@ -69,7 +69,7 @@ class TensorRTEncoder:
             build_engine(onnx_path, folder, image_size)
         )
         self.context = self.engine.create_execution_context()
-        self.stream = torch.cuda.Stream()
+        self.stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
 
     def encode(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         outs = []

@@ -16,8 +16,13 @@ Result = tuple[np.ndarray, np.ndarray]
 
 
 class VisionQueue:
-    def __init__(self, encode: Encode, run: Callable[..., Awaitable[Any]], max_batch_tiles: int,
-                 max_wait_s: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        encode: Encode,
+        run: Callable[..., Awaitable[Any]],
+        max_batch_tiles: int,
+        max_wait_s: float,
+    ) -> None:
         self._encode, self._run = encode, run
         self.max_batch_tiles, self.max_wait_s = max_batch_tiles, max_wait_s
         self._pending: list[tuple[np.ndarray, asyncio.Future[Result]]] = []
@@ -40,9 +45,11 @@ class VisionQueue:
             self._timer.cancel()
             self._timer = None
         while self._pending:
-            batch, tiles = [], 0
-            while self._pending and (not batch or tiles + self._pending[0][0].shape[0]
-                                     <= self.max_batch_tiles):  # fmt: skip
+            batch: list[tuple[np.ndarray, asyncio.Future[Result]]] = []
+            tiles = 0
+            while self._pending and (
+                not batch or tiles + self._pending[0][0].shape[0] <= self.max_batch_tiles
+            ):
                 item = self._pending.pop(0)
                 batch.append(item)
                 tiles += item[0].shape[0]

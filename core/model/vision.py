@@ -104,6 +104,7 @@ class VisionTransformer(nn.Module):
         """Per-token importance at `layer`: the attention the class token pays each token (CLIP),
         or, without a class token (SigLIP), the mean attention each token receives."""
         block = self.encoder.layers[layer]
+        assert isinstance(block, VisionLayer)
         probs = block.self_attn.probs(block.layer_norm1(layer_input)).mean(dim=1)
         return probs[:, 0, :] if hasattr(self, "pre_layrnorm") else probs.mean(dim=1)
 
