@@ -9,7 +9,9 @@ CPU backend at batch 1 and 8.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -92,17 +94,24 @@ async def _cold_warm(engine: Engine, cache: FeatureCache, repeats: int) -> dict[
     }
 
 
-def _big_entry_read(cache: FeatureCache, repeats: int) -> dict[str, Any]:
+def _big_entry() -> Entry:
+    """A LLaVA-1.5-7B image: 576 tokens of 4096 fp16."""
     rng = np.random.default_rng(0)
-    big = Entry(
+    return Entry(
         rng.standard_normal((576, 4096)).astype(np.float16), rng.random(576).astype(np.float32)
     )
-    key = FeatureKey("bench", "b" * 64, "llava-1.5-7b", "0" * 64, "pp1", 336, 1, 1)
-    cache.put(key, big)
+
+
+BIG_KEY = FeatureKey("bench", "b" * 64, "llava-1.5-7b", "0" * 64, "pp1", 336, 1, 1)
+
+
+def _big_entry_read(cache: FeatureCache, repeats: int) -> dict[str, Any]:
+    big = _big_entry()
+    cache.put(BIG_KEY, big)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        got = cache.get(key)
+        got = cache.get(BIG_KEY)
         times.append(_ms(t0))
         assert got is not None and got.features.shape == (576, 4096)
     return {
@@ -110,6 +119,30 @@ def _big_entry_read(cache: FeatureCache, repeats: int) -> dict[str, Any]:
         "read_p50_ms": round(statistics.median(times), 3),
         "read_min_ms": round(min(times), 3),
     }
+
+
+def _encryption_overhead(folder: Path, repeats: int) -> dict[str, Any]:
+    """Write and read of the 4.7 MB entry: plain (xxh3) vs AES-GCM with a per-tenant key."""
+    out: dict[str, Any] = {}
+    big = _big_entry()
+    for name, master in (("plain", None), ("aes_gcm", os.urandom(32))):
+        cache = FeatureCache(folder / name, 1 << 30, ttl_s=3600, master_key=master)
+        puts, gets = [], []
+        for i in range(repeats):
+            key = dataclasses.replace(BIG_KEY, content_hash=f"{i:064x}")
+            t0 = time.perf_counter()
+            cache.put(key, big)
+            puts.append(_ms(t0))
+            t0 = time.perf_counter()
+            assert cache.get(key) is not None
+            gets.append(_ms(t0))
+        cache.close()
+        out[name] = {
+            "put_p50_ms": round(statistics.median(puts), 3),
+            "get_p50_ms": round(statistics.median(gets), 3),
+        }
+    out["get_overhead_ratio"] = round(out["aes_gcm"]["get_p50_ms"] / out["plain"]["get_p50_ms"], 2)
+    return out
 
 
 def _throughput(engine: Engine, artifacts: Path) -> dict[str, Any]:
@@ -141,6 +174,7 @@ def main(model: Path, repeats: int) -> int:
             "backend": engine.encoder.name,
             **asyncio.run(_cold_warm(engine, cache, repeats)),
             "lmdb_576x4096_fp16": _big_entry_read(cache, 50),
+            "encryption_576x4096_fp16": _encryption_overhead(Path(tmp), 20),
             "encoder_throughput": _throughput(engine, Path(tmp) / "artifacts"),
         }
         cache.close()
