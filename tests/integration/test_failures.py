@@ -10,7 +10,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from shared import procs
 from tests.conftest import SAMPLES, Stack, start_stack, stop_stack
 from tests.helpers import generate, request
 
