@@ -105,7 +105,11 @@ class Engine:
             raise VisorError(Reason.INVALID_REQUEST, "turns show a different number of items")
 
     async def generate(
-        self, req: InferRequest, features: list[np.ndarray], timings: dict[str, float]
+        self,
+        req: InferRequest,
+        features: list[np.ndarray],
+        timings: dict[str, float],
+        visual_before: int | None = None,
     ) -> AsyncIterator[Delta | Result]:
         """Streams deltas, then one Result. Closing the iterator early cancels the generation."""
         visual = [int(f.shape[0]) for f in features]
@@ -155,7 +159,7 @@ class Engine:
             yield Result(
                 text=seq.stream.text,
                 text_tokens=len(ids) - sum(visual),
-                visual_tokens_before=sum(visual),
+                visual_tokens_before=sum(visual) if visual_before is None else visual_before,
                 visual_tokens_after=sum(visual),
                 output_tokens=produced,
                 finish_reason=reason,

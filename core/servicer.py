@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator
 import grpc
 import numpy as np
 
-from core import metrics
-from core.engine import Engine
+from core import compression, metrics
+from core.cache import Entry
+from core.engine import Engine, num_tiles
 from core.features import FeatureService
 from core.model.tokenizer import ChatTurn
 from core.types import Delta, InferRequest, ItemSpec, Result, SamplingParams
@@ -108,6 +109,7 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
             raise VisorError(Reason.INVALID_REQUEST, "the first Infer message must be a header")
         req = request_from_proto(first.header)
         self.engine.check_request(req)
+        chosen = compression.profile(req.profile)
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         keys = self.features.keys(req)
@@ -125,8 +127,14 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
             for i, entry in zip(missing, encoded, strict=True):
                 entries[i] = entry
                 self.features.store(keys[i], entry)
-        features = [e.features for e in entries if e is not None]
-        async for out in self.engine.generate(req, features, timings):
+        full = [e for e in entries if e is not None]
+        features = [e.features for e in full]
+        if chosen.steps and full:
+            t0 = time.perf_counter()
+            features = await self.engine.run(_compress_all, req, full, chosen)
+            timings["compress"] = (time.perf_counter() - t0) * 1000
+        before = sum(e.features.shape[0] for e in full)
+        async for out in self.engine.generate(req, features, timings, before):
             if isinstance(out, Delta):
                 yield core_pb2.CoreEvent(
                     delta=core_pb2.CoreDelta(text=out.text, num_tokens=out.num_tokens)
@@ -143,6 +151,18 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
                     visual_tokens_before=out.visual_tokens_before,
                     finish_reason=out.finish_reason,
                 )
+
+
+def _compress_all(
+    req: InferRequest, entries: list[Entry], chosen: compression.Profile
+) -> list[np.ndarray]:
+    seed = int.from_bytes(req.request_id.encode()[:8].ljust(8, b"\0"))
+    return [
+        compression.compress_item(
+            e.features, e.importance, num_tiles(item.tile_rows, item.tile_cols), chosen, seed
+        )
+        for e, item in zip(entries, req.items, strict=True)
+    ]
 
 
 async def _receive_tensors(
