@@ -67,6 +67,7 @@ lint: $(STAMP)
 
 bench: $(STAMP) protos $(MODEL)/config.json
 	$(BIN)/visor bench wire
+	$(BIN)/visor bench cache --json
 
 clean:
 	rm -rf $(VENV) shared/pb .pytest_cache .mypy_cache .ruff_cache tests/interop/node_modules .visor

@@ -24,7 +24,7 @@ from shared.proto import core_pb2, core_pb2_grpc
 from shared.wire import chunks
 
 
-class _Sink(core_pb2_grpc.CoreServicer):  # type: ignore[misc]
+class _Sink(core_pb2_grpc.CoreServicer):
     """Receives tensor chunks, rebuilds the tensor and encodes it, as the core does."""
 
     def __init__(self, engine: Engine, tiles: int) -> None:
@@ -83,14 +83,14 @@ async def _run(model: Path, tiles: int, repeats: int) -> dict[str, Any]:
     engine = Engine(model, "bench")
     size = engine.info.image_size
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 4 << 20)])
-    core_pb2_grpc.add_CoreServicer_to_server(_Sink(engine, tiles), server)
+    core_pb2_grpc.add_CoreServicer_to_server(_Sink(engine, tiles), server)  # type: ignore[no-untyped-call]
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     rng = np.random.default_rng(0)
     array = rng.integers(0, 256, (tiles, 3, size, size), dtype=np.uint8)
     out: dict[str, Any] = {}
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = core_pb2_grpc.CoreStub(channel)
+        stub = core_pb2_grpc.CoreStub(channel)  # type: ignore[no-untyped-call]
         await _time_path(stub, array, "uint8", 3)  # warm-up
         for dtype, name in (("float32", "baseline_float32"), ("uint8", "optimised_uint8")):
             ms = await _time_path(stub, array, dtype, repeats)

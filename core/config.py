@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from shared.config import ConfigError
 from shared.net import is_loopback, split_host_port
@@ -16,12 +17,22 @@ class CoreConfig:
     core_id: str = ""  # reported as served_by; empty = "<hostname>:<port>"
     metrics_listen: str = "127.0.0.1:9102"  # Prometheus endpoint; empty disables it
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
+    encoder: str = "auto"  # auto | torch | torch-bf16 | onnxruntime | tensorrt
+    artifacts_dir: str = "~/.cache/visor/artifacts"  # ONNX export and TensorRT engines
+    encode_batch_tiles: int = 16  # vision queue: tiles per encoder batch
+    encode_max_wait_ms: float = 2.0  # vision queue: how long a batch waits to fill
     grace_s: float = 5.0  # how long shutdown waits for requests in flight
 
     def validate(self) -> None:
         split_host_port(self.listen)
-        if self.num_threads < 0 or self.grace_s < 0:
-            raise ConfigError("[core] num_threads and grace_s must be >= 0")
+        if self.num_threads < 0 or self.grace_s < 0 or self.encode_max_wait_ms < 0:
+            raise ConfigError("[core] num_threads, grace_s and encode_max_wait_ms must be >= 0")
+        if self.encode_batch_tiles < 1:
+            raise ConfigError("[core] encode_batch_tiles must be >= 1")
+        from core.encoders import BACKENDS
+
+        if self.encoder not in BACKENDS:
+            raise ConfigError(f"[core] encoder must be one of {BACKENDS}")
         if not is_loopback(self.listen):
             # mTLS lands with the deployment work; until then only loopback is safe.
             raise ConfigError("[core] listen must be a loopback address until mTLS is configured")
@@ -33,7 +44,27 @@ class CoreConfig:
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     path: str = "~/.cache/visor/features"  # LMDB directory of the feature cache
+    max_bytes: int = 2 << 30  # size bound; least-recently-used entries are evicted past it
+    ttl_s: float = 7 * 24 * 3600.0  # an entry expires this long after it was written
+    tenant_max_bytes: int = 0  # per-tenant quota; 0 = max_bytes
+    no_cache_tenants: tuple[str, ...] = ()  # tenants whose features are never stored
+    encrypt: bool = False  # AES-GCM at rest, one key per tenant derived from the master key
+    master_key_file: str = ""  # 32 random bytes (raw or hex); required when encrypt is on
+    enabled: bool = True  # false: every lookup misses, nothing is stored
 
     def validate(self) -> None:
         if not self.path:
             raise ConfigError("[cache] path must not be empty")
+        if self.max_bytes < 1 << 20 or self.ttl_s <= 0 or self.tenant_max_bytes < 0:
+            raise ConfigError("[cache] max_bytes >= 1 MiB, ttl_s > 0, tenant_max_bytes >= 0")
+        if self.encrypt and not self.master_key_file:
+            raise ConfigError("[cache] encrypt needs master_key_file")
+
+    def master_key(self) -> bytes | None:
+        if not self.encrypt:
+            return None
+        raw = Path(self.master_key_file).expanduser().read_bytes().strip()
+        key = bytes.fromhex(raw.decode()) if len(raw) == 64 else raw
+        if len(key) != 32:
+            raise ConfigError("[cache] master_key_file must hold 32 bytes (or 64 hex digits)")
+        return key

@@ -15,7 +15,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from core import metrics
+from core import encoders, metrics
 from core.generate import TextStream, sample
 from core.model import llava
 from core.model.text import KVCache
@@ -44,7 +44,14 @@ def num_tiles(rows: int, cols: int) -> int:
 
 
 class Engine:
-    def __init__(self, model_dir: Path, core_id: str, num_threads: int = 0) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        core_id: str,
+        num_threads: int = 0,
+        encoder: str = "torch",
+        artifacts: Path | None = None,
+    ) -> None:
         if not (model_dir / "config.json").exists():
             raise FileNotFoundError(
                 f"no model at {model_dir}: build the demo one with "
@@ -70,6 +77,12 @@ class Engine:
             image_std=cfg.image_std,
         )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="visor-model")
+        folder = artifacts or model_dir / ".visor"
+        self.encoder = encoders.build(encoder, self.model, folder.expanduser(), num_threads)
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """Runs `fn` on the model thread (torch work never runs on the event loop)."""
+        return await self._run(fn, *args)
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -91,18 +104,12 @@ class Engine:
         if sum(t.num_images for t in req.turns) != len(req.items):
             raise VisorError(Reason.INVALID_REQUEST, "turns show a different number of items")
 
-    async def encode(self, pixels: np.ndarray) -> torch.Tensor:
-        """(tiles, 3, H, W) uint8 -> (tiles * tokens_per_tile, hidden) projected features."""
-        return await self._run(self._encode, pixels)
-
-    @torch.inference_mode()
-    def _encode(self, pixels: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(np.array(pixels, copy=True))
-        feats = self.model.encode_images(self.model.normalize(tensor))
-        return feats.reshape(-1, feats.shape[-1])
-
     async def generate(
-        self, req: InferRequest, features: list[torch.Tensor], timings: dict[str, float]
+        self,
+        req: InferRequest,
+        features: list[np.ndarray],
+        timings: dict[str, float],
+        visual_before: int | None = None,
     ) -> AsyncIterator[Delta | Result]:
         """Streams deltas, then one Result. Closing the iterator early cancels the generation."""
         visual = [int(f.shape[0]) for f in features]
@@ -152,7 +159,7 @@ class Engine:
             yield Result(
                 text=seq.stream.text,
                 text_tokens=len(ids) - sum(visual),
-                visual_tokens_before=sum(visual),
+                visual_tokens_before=sum(visual) if visual_before is None else visual_before,
                 visual_tokens_after=sum(visual),
                 output_tokens=produced,
                 finish_reason=reason,
@@ -172,10 +179,10 @@ class Engine:
 
     @torch.inference_mode()
     def _prefill(
-        self, ids: list[int], features: list[torch.Tensor], seed: int, stop: tuple[str, ...]
+        self, ids: list[int], features: list[np.ndarray], seed: int, stop: tuple[str, ...]
     ) -> tuple[_Sequence, float, float]:
         started = time.perf_counter()
-        image = torch.cat(features) if features else None
+        image = torch.from_numpy(np.concatenate(features)).float() if features else None
         embeds = self.model.embed(torch.tensor(ids), image)
         cache = self.model.new_cache()
         logits = self.model.forward_tokens(embeds, cache)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from core.cache import FeatureCache, tune_malloc
 from core.config import CacheConfig, CoreConfig
 from core.engine import Engine
+from core.features import FeatureService
 from core.servicer import CoreServicer
+from core.vision_queue import VisionQueue
 from shared import logs, metrics, serving
 from shared.proto import core_pb2, core_pb2_grpc
 
@@ -15,19 +18,42 @@ SERVICE = core_pb2.DESCRIPTOR.services_by_name["Core"].full_name
 
 async def run(cfg: CoreConfig, cache: CacheConfig) -> None:
     log = logs.get("core")
-    engine = Engine(Path(cfg.model), cfg.resolved_core_id(), cfg.num_threads)
+    tune_malloc()
+    artifacts = Path(cfg.artifacts_dir).expanduser()
+    engine = Engine(
+        Path(cfg.model), cfg.resolved_core_id(), cfg.num_threads, cfg.encoder, artifacts
+    )
+    queue = VisionQueue(
+        engine.encoder.encode, engine.run, cfg.encode_batch_tiles, cfg.encode_max_wait_ms / 1000
+    )
+    store = None
+    if cache.enabled:
+        store = FeatureCache(
+            Path(cache.path).expanduser(),
+            cache.max_bytes,
+            cache.ttl_s,
+            cache.tenant_max_bytes,
+            cache.no_cache_tenants,
+            cache.master_key(),
+        )
+    features = FeatureService(engine.info, queue, store)
     server = serving.new_server()
-    core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine), server)  # type: ignore[no-untyped-call]
+    core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine, features), server)  # type: ignore[no-untyped-call]
     health = serving.add_health_and_reflection(server, [SERVICE])
     serving.bind(server, cfg.listen)
     metrics.serve(cfg.metrics_listen)
     await server.start()
     await serving.set_serving(health, [SERVICE])
     log.info(
-        "core_started", listen=cfg.listen, model=engine.info.model_id, core_id=engine.info.core_id
+        "core_started",
+        backend=engine.encoder.name,
+        listen=cfg.listen,
+        model=engine.info.model_id,
+        core_id=engine.info.core_id,
     )
 
     async def close() -> None:
+        await features.close()
         engine.close()
         log.info("core_stopped")
 

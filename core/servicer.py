@@ -3,14 +3,17 @@ order of the Infer handshake."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
 
-from core import metrics
-from core.engine import Engine
+from core import compression, metrics
+from core.cache import Entry
+from core.engine import Engine, num_tiles
+from core.features import FeatureService
 from core.model.tokenizer import ChatTurn
 from core.types import Delta, InferRequest, ItemSpec, Result, SamplingParams
 from shared import logs
@@ -56,8 +59,8 @@ def request_from_proto(h: core_pb2.InferHeader) -> InferRequest:
 
 
 class CoreServicer(core_pb2_grpc.CoreServicer):
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine, features: FeatureService) -> None:
+        self.engine, self.features = engine, features
 
     async def Describe(
         self, request: core_pb2.DescribeRequest, context: grpc.aio.ServicerContext
@@ -106,17 +109,32 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
             raise VisorError(Reason.INVALID_REQUEST, "the first Infer message must be a header")
         req = request_from_proto(first.header)
         self.engine.check_request(req)
+        chosen = compression.profile(req.profile)
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
-        held = [False] * len(req.items)  # the LMDB feature cache lands with its own issue
-        timings["cache_lookup"] = (time.perf_counter() - t0) * 1000
+        keys = self.features.keys(req)
+        entries = await self.features.lookup(keys)
+        if keys:
+            timings["cache_lookup"] = (time.perf_counter() - t0) * 1000
+        held = [e is not None for e in entries]
         yield core_pb2.CoreEvent(cache=core_pb2.CacheReply(held=held))
         pixels = await _receive_tensors(messages, req, held)
-        t0 = time.perf_counter()
-        features = [await self.engine.encode(p) for p in pixels]
-        if features:
+        if pixels:
+            t0 = time.perf_counter()
+            missing = [i for i, e in enumerate(entries) if e is None]
+            encoded = await asyncio.gather(*(self.features.encode(pixels[i]) for i in missing))
             timings["encode"] = (time.perf_counter() - t0) * 1000
-        async for out in self.engine.generate(req, features, timings):
+            for i, entry in zip(missing, encoded, strict=True):
+                entries[i] = entry
+                self.features.store(keys[i], entry)
+        full = [e for e in entries if e is not None]
+        features = [e.features for e in full]
+        if chosen.steps and full:
+            t0 = time.perf_counter()
+            features = await self.engine.run(_compress_all, req, full, chosen)
+            timings["compress"] = (time.perf_counter() - t0) * 1000
+        before = sum(e.features.shape[0] for e in full)
+        async for out in self.engine.generate(req, features, timings, before):
             if isinstance(out, Delta):
                 yield core_pb2.CoreEvent(
                     delta=core_pb2.CoreDelta(text=out.text, num_tokens=out.num_tokens)
@@ -135,9 +153,21 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
                 )
 
 
+def _compress_all(
+    req: InferRequest, entries: list[Entry], chosen: compression.Profile
+) -> list[np.ndarray]:
+    seed = int.from_bytes(req.request_id.encode()[:8].ljust(8, b"\0"))
+    return [
+        compression.compress_item(
+            e.features, e.importance, num_tiles(item.tile_rows, item.tile_cols), chosen, seed
+        )
+        for e, item in zip(entries, req.items, strict=True)
+    ]
+
+
 async def _receive_tensors(
     messages: AsyncIterator[core_pb2.CoreMessage], req: InferRequest, held: list[bool]
-) -> list[np.ndarray]:
+) -> dict[int, np.ndarray]:
     """Collects the tensors of every item not held, checking each against its declared spec."""
     pending = {
         i: TensorAssembler(TensorSpec(item.dtype, item.shape))
@@ -154,10 +184,11 @@ async def _receive_tensors(
             raise VisorError(Reason.INVALID_REQUEST, "unexpected message: tensor chunk expected")
         assembler = pending[chunk.item_index]
         assembler.add(chunk.data)
+        metrics.TENSOR_BYTES.inc(len(chunk.data))
         if assembler.complete:
             done[chunk.item_index] = assembler.array()
             del pending[chunk.item_index]
-    return [done[i] for i in sorted(done)]
+    return done
 
 
 def _final(r: Result, core_id: str) -> core_pb2.CoreFinal:

@@ -114,9 +114,51 @@ def _demo(args: argparse.Namespace) -> int:
     return demo.run(Path(args.model), Path(args.samples), serve=args.serve, config=args.config)
 
 
+def _cache(args: argparse.Namespace) -> int:
+    from core.cache import FeatureCache
+    from core.config import CacheConfig
+
+    cfg = build(CacheConfig, "cache", read_file(args.config), environ())
+    cache = FeatureCache(
+        Path(cfg.path).expanduser(),
+        cfg.max_bytes,
+        cfg.ttl_s,
+        cfg.tenant_max_bytes,
+        cfg.no_cache_tenants,
+        cfg.master_key(),
+    )
+    try:
+        if args.cache_cmd == "purge":
+            print(json.dumps({"tenant_purged": True, "entries_removed": cache.purge(args.tenant)}))
+        else:
+            s = cache.stats()
+            print(
+                json.dumps(
+                    {
+                        "entries": s.entries,
+                        "bytes": s.bytes,
+                        "max_bytes": s.max_bytes,
+                        "tenants_by_prefix": s.tenants,
+                        "path": cfg.path,
+                    }
+                )
+            )
+    finally:
+        cache.close()
+    return 0
+
+
+def _bench_cache(args: argparse.Namespace) -> int:
+    from bench import cache
+
+    logs.configure("bench", "warning")  # stdout carries the one JSON object only
+    return cache.main(Path(args.model), args.repeats)
+
+
 def _bench_wire(args: argparse.Namespace) -> int:
     from bench import wire
 
+    logs.configure("bench", "warning")
     return wire.main(Path(args.model), args.tiles, args.repeats)
 
 
@@ -150,6 +192,14 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--config", type=Path)
     d.add_argument("--serve", action="store_true", help="keep serving until Ctrl-C")
     d.set_defaults(fn=_demo)
+    c = sub.add_parser("cache", help="feature-cache tools (run on the core's host)")
+    cs = c.add_subparsers(dest="cache_cmd", required=True)
+    st = cs.add_parser("stats", help="entries and bytes, per tenant prefix")
+    pu = cs.add_parser("purge", help="delete every entry of one tenant")
+    pu.add_argument("--tenant", required=True)
+    for s in (st, pu):
+        s.add_argument("--config", type=Path)
+        s.set_defaults(fn=_cache)
     b = sub.add_parser("bench", help="benchmarks (one JSON object each)")
     bs = b.add_subparsers(dest="bench_cmd", required=True)
     w = bs.add_parser("wire", help="uint8 + fused normalisation vs float32 tensors over gRPC")
@@ -157,6 +207,11 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--tiles", type=int, default=5)
     w.add_argument("--repeats", type=int, default=30)
     w.set_defaults(fn=_bench_wire)
+    bc = bs.add_parser("cache", help="cold vs warm features: encode vs LMDB, TTFT, throughput")
+    bc.add_argument("--model", default="models/demo")
+    bc.add_argument("--repeats", type=int, default=10)
+    bc.add_argument("--json", action="store_true", help="accepted for symmetry; output is JSON")
+    bc.set_defaults(fn=_bench_cache)
     m = sub.add_parser("model", help="model tools").add_subparsers(dest="model_cmd", required=True)
     i = m.add_parser("init-demo", help="build the demo checkpoint (no download)")
     i.add_argument("--out", default="models/demo")

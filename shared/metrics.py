@@ -8,9 +8,20 @@ from prometheus_client import Histogram, start_http_server
 
 # The stage keys of DESIGN.md "Observability", in request order.
 STAGES = (
-    "receive", "sniff", "probe", "image_decode", "preprocess", "transfer", "cache_lookup",
-    "encode", "compress", "queue", "prefill", "ttft", "generate",
-)  # fmt: skip
+    "receive",
+    "sniff",
+    "probe",
+    "image_decode",
+    "preprocess",
+    "transfer",
+    "cache_lookup",
+    "encode",
+    "compress",
+    "queue",
+    "prefill",
+    "ttft",
+    "generate",
+)
 STAGE_BUCKETS_MS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000)
 
 

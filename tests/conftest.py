@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from shared import procs
+from shared.hashing import key_sha256
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = Path(os.environ.get("VISOR_TEST_CORPUS", ROOT.parent / "shared" / "corpus"))
@@ -61,12 +62,29 @@ class Stack:
     gateway_proc: subprocess.Popen[bytes]
 
     def restart_core(self) -> None:
-        self.core_proc = procs.start("core", self.env, log_path=self.logs / "core.log")
+        self.core_proc = procs.start(
+            "core", self.env, self.logs / "visor.toml", log_path=self.logs / "core.log"
+        )
         procs.wait_healthy(self.core, self.core_proc, timeout_s=120)
+
+
+# Two tenants: the dev key (used by most tests) and a second one for isolation tests.
+OTHER_KEY = "tenant-b-key"
+TENANTS_TOML = f"""
+[[tenants]]
+id = "dev"
+key_sha256 = "{key_sha256("visor-dev-key")}"
+
+[[tenants]]
+id = "tenant-b"
+key_sha256 = "{key_sha256(OTHER_KEY)}"
+"""
 
 
 def start_stack(model: Path, logs: Path, **gateway_env: str) -> Stack:
     core, gw, metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    config = logs / "visor.toml"
+    config.write_text(TENANTS_TOML)
     env = {
         "VISOR_CORE_LISTEN": core,
         "VISOR_CORE_MODEL": str(model),
@@ -77,9 +95,9 @@ def start_stack(model: Path, logs: Path, **gateway_env: str) -> Stack:
         "VISOR_GATEWAY_METRICS_LISTEN": "",
         **gateway_env,
     }
-    core_proc = procs.start("core", env, log_path=logs / "core.log")
+    core_proc = procs.start("core", env, config, log_path=logs / "core.log")
     procs.wait_healthy(core, core_proc, timeout_s=120)
-    gw_proc = procs.start("gateway", env, log_path=logs / "gateway.log")
+    gw_proc = procs.start("gateway", env, config, log_path=logs / "gateway.log")
     procs.wait_healthy(gw, gw_proc, timeout_s=60)
     return Stack(gw, core, metrics, env, logs, core_proc, gw_proc)
 

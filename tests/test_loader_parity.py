@@ -78,7 +78,8 @@ def test_greedy_output_matches_transformers(model_dir: Path) -> None:
     expected = engine.tokenizer.decode(out[0, len(ids) :].tolist())
 
     async def run() -> Result:
-        feats = await engine.encode(pixels.numpy())
+        feats, _ = engine.encoder.encode(pixels.numpy())
+        feats = feats.reshape(-1, feats.shape[-1])
         req = InferRequest(
             "t",
             "r",

@@ -205,7 +205,8 @@ def build(out: Path, preset: str = "demo", seed: int = 0) -> Path:
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv2d)):
             nn.init.normal_(module.weight, std=0.02)
-            if isinstance(module.bias, torch.Tensor):
-                nn.init.zeros_(module.bias)
+            bias = getattr(module, "bias", None)  # nn.Embedding has none
+            if isinstance(bias, torch.Tensor):
+                nn.init.zeros_(bias)
     save(model, out / "model.safetensors")
     return out

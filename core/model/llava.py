@@ -68,13 +68,21 @@ class Llava(nn.Module):
 
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """(tiles, 3, H, W) normalised pixels -> (tiles, tokens_per_tile, text_hidden) features."""
+        return self.encode_with_importance(pixels)[0]
+
+    def encode_with_importance(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features as `encode_images`, plus (tiles, tokens_per_tile) importance scores for
+        pruning, taken from the attention of the last selected layer."""
         num_layers = self.cfg.vision.num_layers
         indices = [i if i >= 0 else num_layers + 1 + i for i in self.cfg.vision_feature_layers]
-        states = self.vision_tower.vision_model.hidden_states(pixels, upto=max(indices))
+        last = max(indices)
+        tower = self.vision_tower.vision_model
+        states = tower.hidden_states(pixels, upto=last)
         feats = torch.cat([states[i] for i in indices], dim=-1)
+        scores = tower.importance(states[last - 1], last - 1) if last > 0 else feats[..., 0] * 0
         if self.cfg.drop_class_token:
-            feats = feats[:, 1:]
-        return self.multi_modal_projector(feats)
+            feats, scores = feats[:, 1:], scores[:, 1:]
+        return self.multi_modal_projector(feats), scores
 
     def embed(self, token_ids: torch.Tensor, image_features: torch.Tensor | None) -> torch.Tensor:
         """Token embeddings with image-token positions replaced by image features, in order."""

@@ -29,6 +29,14 @@ class VisionAttention(nn.Module):
         )
         return self.out_proj(out.transpose(1, 2).reshape(b, n, h))
 
+    def probs(self, x: torch.Tensor) -> torch.Tensor:
+        """Attention probabilities (batch, heads, queries, keys) for already-normed input."""
+        b, n, h = x.shape
+        d = h // self.num_heads
+        q = self.q_proj(x).view(b, n, self.num_heads, d).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, self.num_heads, d).transpose(1, 2)
+        return torch.softmax((q @ k.transpose(-1, -2)) * d**-0.5, dim=-1)
+
 
 class VisionMLP(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
@@ -91,6 +99,14 @@ class VisionTransformer(nn.Module):
             self.pre_layrnorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.encoder = VisionEncoder(cfg)
         self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def importance(self, layer_input: torch.Tensor, layer: int) -> torch.Tensor:
+        """Per-token importance at `layer`: the attention the class token pays each token (CLIP),
+        or, without a class token (SigLIP), the mean attention each token receives."""
+        block = self.encoder.layers[layer]
+        assert isinstance(block, VisionLayer)
+        probs = block.self_attn.probs(block.layer_norm1(layer_input)).mean(dim=1)
+        return probs[:, 0, :] if hasattr(self, "pre_layrnorm") else probs.mean(dim=1)
 
     def hidden_states(self, pixels: torch.Tensor, upto: int) -> list[torch.Tensor]:
         """Embedding output then every layer's output, stopping after layer `upto`."""

@@ -10,7 +10,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from shared import procs
 from tests.conftest import SAMPLES, Stack, start_stack, stop_stack
 from tests.helpers import generate, request
 
@@ -33,7 +32,9 @@ def _metric(stack: Stack, name: str) -> float:
 def test_core_down_then_back(own_stack: Stack) -> None:
     png = (SAMPLES / "shapes.png").read_bytes()
     assert generate(own_stack.gateway, request(media=(png,))).code == grpc.StatusCode.OK
-    procs.stop(own_stack.core_proc)
+    time.sleep(0.5)  # the feature write runs in the background after the answer
+    own_stack.core_proc.kill()  # SIGKILL: no graceful shutdown, no cache flush
+    own_stack.core_proc.wait(10)
     down = generate(own_stack.gateway, request(media=(png,)), timeout=10)
     assert (down.code, down.reason) == (grpc.StatusCode.UNAVAILABLE, "CORE_UNAVAILABLE")
     own_stack.restart_core()
@@ -44,6 +45,7 @@ def test_core_down_then_back(own_stack: Stack) -> None:
             break
         time.sleep(0.2)
     assert out.code == grpc.StatusCode.OK, (out.code, out.reason)
+    assert out.final is not None and out.final.cache[0].hit  # the LMDB entry survived the kill
     assert own_stack.gateway_proc.poll() is None  # the gateway was never restarted
 
 

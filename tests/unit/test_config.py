@@ -75,7 +75,12 @@ def test_example_config_holds_every_key_with_its_default() -> None:
 
     path = Path(__file__).resolve().parents[2] / "deploy" / "visor.example.toml"
     data = read_file(path)
-    for cls, name in ((GatewayConfig, "gateway"), (LimitsConfig, "limits"), (CoreConfig, "core"),
-                      (CacheConfig, "cache"), (LogConfig, "log")):  # fmt: skip
+    for cls, name in (
+        (GatewayConfig, "gateway"),
+        (LimitsConfig, "limits"),
+        (CoreConfig, "core"),
+        (CacheConfig, "cache"),
+        (LogConfig, "log"),
+    ):
         assert build(cls, name, data, {}) == cls(), name  # type: ignore[call-arg]
         assert set(data[name]) == {f for f in cls.__dataclass_fields__}, name

@@ -1,0 +1,78 @@
+"""The vision queue: encoder batches formed by tile count with a short maximum wait, run off the
+event loop. A request's tiles are never split across batches."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from core import metrics
+
+Encode = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
+Result = tuple[np.ndarray, np.ndarray]
+
+
+class VisionQueue:
+    def __init__(
+        self,
+        encode: Encode,
+        run: Callable[..., Awaitable[Any]],
+        max_batch_tiles: int,
+        max_wait_s: float,
+    ) -> None:
+        self._encode, self._run = encode, run
+        self.max_batch_tiles, self.max_wait_s = max_batch_tiles, max_wait_s
+        self._pending: list[tuple[np.ndarray, asyncio.Future[Result]]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def encode(self, pixels: np.ndarray) -> Result:
+        """(tiles, 3, H, W) uint8 -> (tiles, tokens, hidden) features, (tiles, tokens) scores."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Result] = loop.create_future()
+        self._pending.append((pixels, future))
+        if sum(p.shape[0] for p, _ in self._pending) >= self.max_batch_tiles:
+            self._dispatch()
+        elif self._timer is None:
+            self._timer = loop.call_later(self.max_wait_s, self._dispatch)
+        return await future
+
+    def _dispatch(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self._pending:
+            batch: list[tuple[np.ndarray, asyncio.Future[Result]]] = []
+            tiles = 0
+            while self._pending and (
+                not batch or tiles + self._pending[0][0].shape[0] <= self.max_batch_tiles
+            ):
+                item = self._pending.pop(0)
+                batch.append(item)
+                tiles += item[0].shape[0]
+            task = asyncio.get_running_loop().create_task(self._run_batch(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run_batch(self, batch: list[tuple[np.ndarray, asyncio.Future[Result]]]) -> None:
+        live = [(p, f) for p, f in batch if not f.cancelled()]
+        if not live:
+            return
+        stacked = np.concatenate([p for p, _ in live]) if len(live) > 1 else live[0][0]
+        metrics.ENCODER_BATCH_TILES.observe(stacked.shape[0])
+        try:
+            feats, scores = await self._run(self._encode, stacked)
+        except Exception as exc:
+            for _, f in live:
+                if not f.done():
+                    f.set_exception(exc)
+            return
+        start = 0
+        for pixels, f in live:
+            end = start + pixels.shape[0]
+            if not f.done():
+                f.set_result((feats[start:end], scores[start:end]))
+            start = end
