@@ -29,6 +29,7 @@ import numpy as np
 import xxhash
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from core.config import CacheConfig
 from shared.hashing import FeatureKey
 
 MAGIC, VERSION = b"VSRF", 1
@@ -101,6 +102,18 @@ class FeatureCache:
         self._tenants = self.env.open_db(b"tenants")
         self._touched: dict[bytes, float] = {}
         self._hits = self._misses = self._evictions = self._rejected = 0
+
+    @classmethod
+    def from_config(cls, cfg: CacheConfig) -> FeatureCache:
+        """The cache a core (or `visor cache`) opens for its [cache] section."""
+        return cls(
+            Path(cfg.path).expanduser(),
+            cfg.max_bytes,
+            cfg.ttl_s,
+            cfg.tenant_max_bytes,
+            cfg.no_cache_tenants,
+            cfg.master_key(),
+        )
 
     def enabled_for(self, tenant: str) -> bool:
         return tenant not in self.no_cache

@@ -28,14 +28,7 @@ async def run(cfg: CoreConfig, cache: CacheConfig) -> None:
     )
     store = None
     if cache.enabled:
-        store = FeatureCache(
-            Path(cache.path).expanduser(),
-            cache.max_bytes,
-            cache.ttl_s,
-            cache.tenant_max_bytes,
-            cache.no_cache_tenants,
-            cache.master_key(),
-        )
+        store = FeatureCache.from_config(cache)
     features = FeatureService(engine.info, queue, store)
     server = serving.new_server()
     core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine, features), server)  # type: ignore[no-untyped-call]

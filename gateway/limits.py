@@ -5,8 +5,8 @@ from __future__ import annotations
 from gateway.config import LimitsConfig
 from gateway.types import Ask
 from shared.errors import Reason, VisorError
+from shared.wire import PROFILES
 
-PROFILES = ("none",)  # compression profiles available now; the others land with compression
 
 
 def check_bytes(limits: LimitsConfig, item_bytes: int, request_bytes: int) -> None:

@@ -119,14 +119,7 @@ def _cache(args: argparse.Namespace) -> int:
     from core.config import CacheConfig
 
     cfg = build(CacheConfig, "cache", read_file(args.config), environ())
-    cache = FeatureCache(
-        Path(cfg.path).expanduser(),
-        cfg.max_bytes,
-        cfg.ttl_s,
-        cfg.tenant_max_bytes,
-        cfg.no_cache_tenants,
-        cfg.master_key(),
-    )
+    cache = FeatureCache.from_config(cfg)
     try:
         if args.cache_cmd == "purge":
             print(json.dumps({"tenant_purged": True, "entries_removed": cache.purge(args.tenant)}))

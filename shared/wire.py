@@ -13,6 +13,8 @@ DTYPES: dict[str, np.dtype[np.generic]] = {
     "uint8": np.dtype(np.uint8),
     "float16": np.dtype(np.float16),
 }
+# Visual-token compression profiles a request may name (core/compression.py defines them).
+PROFILES = ("none", "low-latency", "balanced", "high-precision")
 CHUNK_BYTES = 1 << 20  # 1 MiB pieces keep every message far below gRPC's 4 MiB default
 
 

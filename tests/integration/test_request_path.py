@@ -275,3 +275,26 @@ def test_logs_hold_no_user_content(stack: Stack) -> None:
         assert out.final is not None and (not out.final.text.strip() or out.final.text not in text)
         lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
         assert any("timings_ms" in line for line in lines), name
+
+
+def test_profiles_reduce_visual_tokens(stack: Stack) -> None:
+    from core import compression
+    from shared import wire
+
+    assert set(wire.PROFILES) == set(compression.PROFILES), "gateway and core disagree on profiles"
+    image = (SAMPLES / "number.jpg").read_bytes()
+    seen = {}
+    for name in wire.PROFILES:
+        req = request(media=(image,))
+        req.profile = name
+        final = assert_served(generate(stack.gateway, req))
+        seen[name] = (final.usage.visual_tokens_before, final.usage.visual_tokens_after)
+    before = seen["none"][0]
+    assert before > 0 and all(b == before for b, _ in seen.values())
+    assert seen["none"][1] == before
+    assert seen["balanced"][1] <= before // 2 + 1
+    assert seen["low-latency"][1] < seen["balanced"][1] < seen["high-precision"][1] < before
+    bad = request(media=(image,))
+    bad.profile = "ultra"
+    out = generate(stack.gateway, bad)
+    assert (out.code, out.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST")
