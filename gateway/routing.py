@@ -131,7 +131,7 @@ class Router:
         endpoint = self._endpoints.get(client.address)
         if endpoint is not None and endpoint.healthy:
             endpoint.healthy = False
-            log.warning("core_down", address=client.address, core_id=client.core_id)
+            log.warning("core_down", address=client.address, reason="UNAVAILABLE")
 
     def healthy(self) -> list[str]:
         return sorted(a for a, e in self._endpoints.items() if e.healthy)
@@ -160,7 +160,7 @@ class Router:
         if up:
             try:  # the id we hash on, and the geometry requests need, come from Describe
                 await endpoint.client.geometry(timeout)
-            except Exception:  # noqa: BLE001 - any failure here means "not ready yet"
+            except Exception:  # any failure here means "not ready yet"
                 endpoint.client.forget()
                 up = False
         if up != endpoint.healthy:

@@ -28,9 +28,7 @@ def check(
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
-def main(
-    target: str, service: str, files: tls.TlsFiles, server_name: str, timeout_s: float
-) -> int:
+def main(target: str, service: str, files: tls.TlsFiles, server_name: str, timeout_s: float) -> int:
     files.check("visor health --ca/--cert/--key")
     status = check(target, service, files, server_name, timeout_s)
     print(f"{target} {service or '(server)'}: {status}")

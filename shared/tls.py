@@ -45,10 +45,14 @@ class TlsFiles:
 def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
     """Server side: our cert + key; a client certificate signed by `files.ca` is required."""
     ca, cert, key = files.read()
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=True
+    )
 
 
 def channel_credentials(files: TlsFiles) -> grpc.ChannelCredentials:
     """Client side: verify the server against `files.ca`, present our cert + key."""
     ca, cert, key = files.read()
-    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    return grpc.ssl_channel_credentials(
+        root_certificates=ca, private_key=key, certificate_chain=cert
+    )

@@ -62,9 +62,7 @@ def _creds(ca: Path, cert: Path | None, key: Path | None) -> grpc.ChannelCredent
 
 def _describe(address: str, creds: grpc.ChannelCredentials | None) -> grpc.StatusCode:
     channel = (
-        grpc.insecure_channel(address)
-        if creds is None
-        else grpc.secure_channel(address, creds)
+        grpc.insecure_channel(address) if creds is None else grpc.secure_channel(address, creds)
     )
     with channel:
         stub = core_pb2_grpc.CoreStub(channel)  # type: ignore[no-untyped-call]
@@ -107,10 +105,11 @@ def test_health_command_over_mtls(tls_core: TlsCore) -> None:
     base = [sys.executable, "-m", "shared.cli", "health", "--target", tls_core.address]
     base += ["--service", "visor.v1.Core", "--ca", str(p.ca_cert)]
     # The core's own certificate carries clientAuth: the pod's probe dials itself with it.
-    ok = base + ["--cert", str(p.core_cert), "--key", str(p.core_key)]
+    ok = [*base, "--cert", str(p.core_cert), "--key", str(p.core_key)]
     out = subprocess.run(ok, capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert out.returncode == 0 and "SERVING" in out.stdout, out.stdout + out.stderr
-    bad = base + ["--cert", str(tls_core.other.gateway_cert), "--key", str(tls_core.other.gateway_key)]
+    o = tls_core.other
+    bad = [*base, "--cert", str(o.gateway_cert), "--key", str(o.gateway_key)]
     out = subprocess.run(bad, capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert out.returncode == 1 and "UNREACHABLE" in out.stdout
 
