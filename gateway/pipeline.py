@@ -160,18 +160,7 @@ class Pipeline:
             )
         plans = job.plans[geo]
         items = [(p, f) for p in plans for f in p.frames]
-        headers = tuple(
-            ItemHeader(
-                job.hashes[p.media],
-                geo.preprocess_version,
-                geo.image_size,
-                p.grid.rows,
-                p.grid.cols,
-                (p.grid.num_tiles, 3, geo.image_size, geo.image_size),
-                frame,
-            )
-            for p, frame in items
-        )
+        headers = _headers(job.hashes, geo, items)
         missed: list[int] = []
 
         async def pixels_for(missing: list[int]) -> list[np.ndarray]:
@@ -275,6 +264,25 @@ class Pipeline:
                 raise VisorError(Reason.DECODER_CRASHED, "the decoder returned the wrong geometry")
         by_media = {m: list(r.arrays) for m, r in zip(order, replies, strict=True)}
         return [by_media[items[i][0].media].pop(0) for i in missing]
+
+
+def _headers(
+    hashes: list[str], geo: Geometry, items: list[tuple[Plan, int]]
+) -> tuple[ItemHeader, ...]:
+    """What the core is told about each item: its cache key fields and tensor shape."""
+    size = geo.image_size
+    return tuple(
+        ItemHeader(
+            hashes[p.media],
+            geo.preprocess_version,
+            size,
+            p.grid.rows,
+            p.grid.cols,
+            (p.grid.num_tiles, 3, size, size),
+            frame,
+        )
+        for p, frame in items
+    )
 
 
 def _images_per_turn(ask: Ask, plans: list[Plan]) -> tuple[int, ...]:
