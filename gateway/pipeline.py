@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from gateway import decode, limits, routing, tiling
+from gateway import decode, limits, metrics, routing, tiling
 from gateway.config import LimitsConfig
 from gateway.core_client import (
     CoreClient,
@@ -72,7 +72,7 @@ class _Job:
     hashes: list[str]  # content hash per item
     started: float  # arrival (perf_counter)
     timeout: float | None  # seconds from `started`
-    plans: dict[Geometry, list[Plan]] = field(default_factory=dict)  # per core geometry
+    plans: dict[int, list[Plan]] = field(default_factory=dict)  # by the core's tile side
 
     @property
     def deadline(self) -> float | None:
@@ -144,6 +144,7 @@ class Pipeline:
                 self.router.mark_down(core)
                 if streamed:  # tokens already reached the client: never answer twice
                     raise
+                metrics.CORE_FAILOVERS.inc()
                 failure = err
             if job.deadline is not None and time.perf_counter() >= job.deadline:
                 raise VisorError(Reason.DEADLINE_EXCEEDED, "the deadline passed")
@@ -154,11 +155,11 @@ class Pipeline:
     ) -> AsyncIterator[Delta | Final]:
         """One attempt on one core: its geometry, the plan for it, the handshake, the tokens."""
         geo = await core.geometry(job.remaining())
-        if geo not in job.plans:  # cores of one deployment share a geometry: plan once
-            job.plans[geo] = await self._plan(
+        if geo.image_size not in job.plans:  # cores of one deployment share it: plan once
+            job.plans[geo.image_size] = await self._plan(
                 job.media, job.formats, job.ask.detail, geo, timings, job.deadline
             )
-        plans = job.plans[geo]
+        plans = job.plans[geo.image_size]
         items = [(p, f) for p in plans for f in p.frames]
         headers = _headers(job.hashes, geo, items)
         missed: list[int] = []

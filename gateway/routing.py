@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from gateway import metrics
 from gateway.config import DNS_SCHEME, GatewayConfig
 from gateway.core_client import CoreClient
 from shared import logs, tls
@@ -131,6 +132,7 @@ class Router:
         endpoint = self._endpoints.get(client.address)
         if endpoint is not None and endpoint.healthy:
             endpoint.healthy = False
+            metrics.CORES_HEALTHY.set(len(self.healthy()))
             log.warning("core_down", address=client.address, reason="UNAVAILABLE")
 
     def healthy(self) -> list[str]:
@@ -147,12 +149,14 @@ class Router:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.health_interval_s)
-            if time.monotonic() - self._resolved_at >= self.settings.dns_refresh_s:
+            stale = time.monotonic() - self._resolved_at >= self.settings.dns_refresh_s
+            if stale or not self._endpoints:  # nothing to route to: look again every interval
                 await self._refresh()
             await self._check_all()
 
     async def _check_all(self) -> None:
         await asyncio.gather(*(self._check(e) for e in list(self._endpoints.values())))
+        metrics.CORES_HEALTHY.set(len(self.healthy()))
 
     async def _check(self, endpoint: _Endpoint) -> None:
         timeout = self.settings.health_timeout_s

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -21,7 +22,6 @@ K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("dev", "prod")
 WORKLOADS = ("Deployment", "StatefulSet")
 K8S_VERSION = "1.37"
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 
 def _kubectl() -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ IDS = ("core-a", "core-b", "core-c")
 @dataclass
 class Cluster:
     gateway: str
+    metrics: str  # the gateway's Prometheus endpoint
     cores: dict[str, str]  # core id -> address
     procs: dict[str, procs.subprocess.Popen[bytes]]  # core id -> process
     envs: dict[str, dict[str, str]]  # core id -> its environment
@@ -62,7 +64,7 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     logs = tmp_path_factory.mktemp("scaleout")
     cores = {i: f"127.0.0.1:{free_port()}" for i in IDS}
     envs = {i: _core_env(model_dir, logs, i, a) for i, a in cores.items()}
-    c = Cluster("", cores, {}, envs, logs)
+    c = Cluster("", f"127.0.0.1:{free_port()}", cores, {}, envs, logs)
     gw = None
     try:
         for i in IDS:
@@ -77,7 +79,7 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "VISOR_GATEWAY_CORES": f"{cores['core-a']},{cores['core-b']},dns:///localhost:{port_c}",
             "VISOR_GATEWAY_HEALTH_INTERVAL_S": str(HEALTH_INTERVAL_S),
             "VISOR_GATEWAY_HEALTH_TIMEOUT_S": "0.5",
-            "VISOR_GATEWAY_METRICS_LISTEN": "",
+            "VISOR_GATEWAY_METRICS_LISTEN": c.metrics,
             "VISOR_GATEWAY_DECODE_WORKERS": "1",
         }
         config = logs / "tenants.toml"
@@ -88,6 +90,14 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     finally:
         for p in [*c.procs.values(), *([gw] if gw else [])]:
             procs.stop(p)
+
+
+def _metric(cluster: Cluster, name: str) -> float:
+    body = urllib.request.urlopen(f"http://{cluster.metrics}/metrics", timeout=5).read()
+    for line in body.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"metric {name} not exported")
 
 
 def _png(seed: int) -> bytes:
@@ -142,6 +152,8 @@ def test_killing_a_core_moves_only_its_traffic(cluster: Cluster) -> None:
     time.sleep(0.5)  # the feature write runs in the background after the answer
     others = [s for s in range(20) if _served_by(cluster, _png(s)) != victim][:4]
     assert others, "no image routed to another core"
+    assert _metric(cluster, "visor_gateway_cores_healthy") == len(IDS)
+    failovers = _metric(cluster, "visor_gateway_core_failovers_total")
     started = threading.Event()
     in_flight: list[Outcome] = []
     streams = [
@@ -163,6 +175,8 @@ def test_killing_a_core_moves_only_its_traffic(cluster: Cluster) -> None:
     assert after.final is not None and after.final.served_by not in (victim, "")
     assert moved_in < HEALTH_INTERVAL_S + 5.0  # one decode + encode on a loaded 2-core host
     new_home = after.final.served_by
+    assert _metric(cluster, "visor_gateway_core_failovers_total") >= failovers + 1
+    assert _metric(cluster, "visor_gateway_cores_healthy") == len(IDS) - 1
     again = _ask(cluster, png)
     assert again.final is not None and again.final.served_by == new_home
     assert again.final.cache[0].hit  # the new home caches it from then on
