@@ -19,7 +19,7 @@ import contextlib
 import hashlib
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -98,14 +98,18 @@ async def resolve(name_port: str) -> list[str]:
 
 
 Connect = Callable[[str, grpc.ChannelCredentials | None, str], CoreClient]
+Resolve = Callable[[str], Awaitable[list[str]]]
 
 
 class Router:
     """Keeps the set of cores, their health, and ranks them per request."""
 
-    def __init__(self, settings: RouterSettings, connect: Connect = CoreClient) -> None:
+    def __init__(
+        self, settings: RouterSettings, connect: Connect = CoreClient, resolver: Resolve = resolve
+    ) -> None:
         self.settings = settings
         self._connect = connect
+        self._resolve = resolver
         self._endpoints: dict[str, _Endpoint] = {}
         self._retired: list[CoreClient] = []  # removed by DNS; closed one refresh later
         self._task: asyncio.Task[None] | None = None
@@ -137,6 +141,9 @@ class Router:
 
     def healthy(self) -> list[str]:
         return sorted(a for a, e in self._endpoints.items() if e.healthy)
+
+    def addresses(self) -> list[str]:
+        return sorted(self._endpoints)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -191,7 +198,7 @@ class Router:
                 continue
             name_port = target.removeprefix(DNS_SCHEME)
             try:
-                addresses = await resolve(name_port)
+                addresses = await self._resolve(name_port)
             except OSError:
                 # Keep what we had: a DNS outage must not empty the routing table.
                 log.warning("core_dns_failed", address=name_port)

@@ -112,3 +112,36 @@ def test_tls_allows_cores_off_loopback() -> None:
     cfg = build(GatewayConfig, "gateway", {}, env)
     assert cfg.cores == ("dns:///visor-core.visor.svc:50052", "10.0.0.8:50052")
     assert cfg.core_tls().enabled
+
+
+def test_dns_entries_follow_the_name_and_survive_a_dns_outage() -> None:
+    """The resolver stands in for a DNS server whose answer changes (none can run here)."""
+    ports = [free_port() for _ in range(3)]
+    a, b, c = (f"127.0.0.1:{p}" for p in ports)
+    answers: list[list[str] | None] = [[a, b], [b, c], None]
+    asked: list[str] = []
+
+    async def resolver(name_port: str) -> list[str]:
+        asked.append(name_port)
+        answer = answers.pop(0)
+        if answer is None:
+            raise OSError("name resolution failed")
+        return answer
+
+    async def scenario() -> list[list[str]]:
+        static = f"127.0.0.1:{free_port()}"
+        router = Router(_settings(static, "dns:///visor-core:50052"), resolver=resolver)
+        seen = []
+        try:
+            await router.start()
+            seen.append(router.addresses())
+            await router._refresh()  # what the background loop does every dns_refresh_s
+            seen.append(router.addresses())
+            await router._refresh()  # DNS down: keep what we had
+            seen.append(router.addresses())
+        finally:
+            await router.close()
+        return [[x for x in addresses if x != static] for addresses in seen]
+
+    assert asyncio.run(scenario()) == [sorted([a, b]), sorted([b, c]), sorted([b, c])]
+    assert asked == ["visor-core:50052"] * 3
