@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 
 from shared import procs
 from shared.certs import DevCerts, write_dev_certs
@@ -112,6 +113,33 @@ def test_health_command_over_mtls(tls_core: TlsCore) -> None:
     bad = [*base, "--cert", str(o.gateway_cert), "--key", str(o.gateway_key)]
     out = subprocess.run(bad, capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert out.returncode == 1 and "UNREACHABLE" in out.stdout
+
+
+def _probe_command(tls_core: TlsCore) -> list[str]:
+    """The core's exec probe exactly as deploy/k8s/base/core.yaml has it, pointed at this core
+    (port and certificate paths swapped for the test's, `visor` run from this checkout)."""
+    docs = yaml.safe_load_all((ROOT / "deploy" / "k8s" / "base" / "core.yaml").read_text())
+    (sts,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    command = container["readinessProbe"]["exec"]["command"]
+    assert container["livenessProbe"]["exec"]["command"] == command
+    p = tls_core.pki
+    swap = {
+        "/etc/visor/tls/ca.crt": str(p.ca_cert),
+        "/etc/visor/tls/tls.crt": str(p.core_cert),
+        "/etc/visor/tls/tls.key": str(p.core_key),
+        "localhost:50052": "localhost:" + tls_core.address.rsplit(":", 1)[1],
+    }
+    assert command[0] == "visor" and set(swap) <= set(command)
+    return [sys.executable, "-m", "shared.cli", *(swap.get(a, a) for a in command[1:])]
+
+
+def test_the_manifests_probe_passes_against_a_tls_core(tls_core: TlsCore) -> None:
+    """The pod dials itself by name (localhost is in the core certificate) with its own cert."""
+    out = subprocess.run(
+        _probe_command(tls_core), capture_output=True, text=True, timeout=30, cwd=ROOT
+    )
+    assert out.returncode == 0 and "SERVING" in out.stdout, out.stdout + out.stderr
 
 
 def _gateway_env(tls_core: TlsCore, ca: Path) -> dict[str, str]:
