@@ -8,6 +8,7 @@ from pathlib import Path
 
 from shared.config import ConfigError
 from shared.net import is_loopback, split_host_port
+from shared.tls import TlsFiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,9 @@ class CoreConfig:
     encode_batch_tiles: int = 16  # vision queue: tiles per encoder batch
     encode_max_wait_ms: float = 2.0  # vision queue: how long a batch waits to fill
     grace_s: float = 5.0  # how long shutdown waits for requests in flight
+    tls_cert: str = ""  # PEM server certificate (chain); with tls_key + tls_client_ca turns on mTLS
+    tls_key: str = ""  # PEM private key of tls_cert
+    tls_client_ca: str = ""  # PEM CA that signs gateway client certificates (client auth required)
 
     def validate(self) -> None:
         split_host_port(self.listen)
@@ -33,9 +37,15 @@ class CoreConfig:
 
         if self.encoder not in BACKENDS:
             raise ConfigError(f"[core] encoder must be one of {BACKENDS}")
-        if not is_loopback(self.listen):
-            # mTLS lands with the deployment work; until then only loopback is safe.
-            raise ConfigError("[core] listen must be a loopback address until mTLS is configured")
+        self.tls().check("[core] tls_client_ca, tls_cert, tls_key")
+        if not self.tls().enabled and not is_loopback(self.listen):
+            raise ConfigError(
+                f"[core] listen = {self.listen!r} is not loopback: plaintext is allowed only on "
+                "loopback; set tls_cert, tls_key and tls_client_ca (see `visor certs dev`)"
+            )
+
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_client_ca, self.tls_cert, self.tls_key)
 
     def resolved_core_id(self) -> str:
         return self.core_id or f"{os.uname().nodename}:{split_host_port(self.listen)[1]}"

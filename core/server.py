@@ -10,7 +10,7 @@ from core.engine import Engine
 from core.features import FeatureService
 from core.servicer import CoreServicer
 from core.vision_queue import VisionQueue
-from shared import logs, metrics, serving
+from shared import logs, metrics, serving, tls
 from shared.proto import core_pb2, core_pb2_grpc
 
 SERVICE = core_pb2.DESCRIPTOR.services_by_name["Core"].full_name
@@ -33,7 +33,8 @@ async def run(cfg: CoreConfig, cache: CacheConfig) -> None:
     server = serving.new_server()
     core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine, features), server)  # type: ignore[no-untyped-call]
     health = serving.add_health_and_reflection(server, [SERVICE])
-    serving.bind(server, cfg.listen)
+    creds = tls.server_credentials(cfg.tls()) if cfg.tls().enabled else None
+    serving.bind(server, cfg.listen, creds)
     metrics.serve(cfg.metrics_listen)
     await server.start()
     await serving.set_serving(health, [SERVICE])
@@ -43,6 +44,7 @@ async def run(cfg: CoreConfig, cache: CacheConfig) -> None:
         listen=cfg.listen,
         model=engine.info.model_id,
         core_id=engine.info.core_id,
+        mtls=creds is not None,
     )
 
     async def close() -> None:

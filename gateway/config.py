@@ -8,16 +8,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.config import ConfigError
-from shared.net import split_host_port
+from shared.net import is_loopback, split_host_port
+from shared.tls import TlsFiles
 
 MIB = 1024 * 1024
 SANDBOX_MODES = ("strict", "best-effort")
+DNS_SCHEME = "dns:///"  # a `cores` entry naming a DNS name that resolves to many cores
 
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     listen: str = "127.0.0.1:50051"  # public gRPC address; loopback by default
-    cores: tuple[str, ...] = ("127.0.0.1:50052",)  # core addresses (the first is used for now)
+    # Cores to route to: "host:port" (one core each) or "dns:///name:port" (every address the
+    # name resolves to, re-resolved every dns_refresh_s), in any mix.
+    cores: tuple[str, ...] = ("127.0.0.1:50052",)
+    health_interval_s: float = 2.0  # grpc.health.v1 check of each core this often
+    health_timeout_s: float = 1.0  # a check slower than this marks the core down
+    dns_refresh_s: float = 30.0  # how often dns:/// entries are resolved again
+    core_tls_ca: str = ""  # PEM CA that signed the cores' certificates; with cert + key: mTLS
+    core_tls_cert: str = ""  # PEM client certificate the gateway presents to cores
+    core_tls_key: str = ""  # PEM private key of core_tls_cert
+    core_tls_server_name: str = ""  # name checked in the core's certificate; "" = host dialled
     metrics_listen: str = "127.0.0.1:9101"  # Prometheus endpoint; empty disables it
     decode_workers: int = 2  # sandboxed decode processes
     decode_timeout_s: float = 10.0  # wall clock per decode job before its worker is killed
@@ -38,10 +49,7 @@ class GatewayConfig:
 
     def validate(self) -> None:
         split_host_port(self.listen)
-        if not self.cores:
-            raise ConfigError("[gateway] cores must name at least one core")
-        for core in self.cores:
-            split_host_port(core)
+        self._validate_cores()
         if self.decode_workers < 1 or self.worker_max_jobs < 1 or self.decode_timeout_s <= 0:
             raise ConfigError("[gateway] decode_workers, worker_max_jobs, decode_timeout_s > 0")
         if self.sandbox not in SANDBOX_MODES:
@@ -62,6 +70,24 @@ class GatewayConfig:
             )
         if min(self.max_concurrent_per_tenant, self.rate_per_tenant, self.burst_per_tenant) < 0:
             raise ConfigError("[gateway] per-tenant quotas must be >= 0 (0 = no cap)")
+        if min(self.health_interval_s, self.health_timeout_s, self.dns_refresh_s) <= 0:
+            raise ConfigError("[gateway] health_interval_s, health_timeout_s, dns_refresh_s > 0")
+
+    def _validate_cores(self) -> None:
+        if not self.cores:
+            raise ConfigError("[gateway] cores must name at least one core")
+        self.core_tls().check("[gateway] core_tls_ca, core_tls_cert, core_tls_key")
+        for core in self.cores:
+            address = core.removeprefix(DNS_SCHEME)
+            split_host_port(address)
+            if not self.core_tls().enabled and not is_loopback(address):
+                raise ConfigError(
+                    f"[gateway] core {core!r} is not loopback: plaintext is allowed only on "
+                    "loopback; set core_tls_ca, core_tls_cert and core_tls_key"
+                )
+
+    def core_tls(self) -> TlsFiles:
+        return TlsFiles(self.core_tls_ca, self.core_tls_cert, self.core_tls_key)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,7 @@
-"""The gateway's side of the Core API: one channel per core, its encoder description cached, and
-the Infer handshake. Translates core_pb2 <-> plain values; failures become VisorErrors."""
+"""The gateway's side of the Core API: one channel per core (mTLS when configured), its encoder
+description cached, its health check, and the Infer handshake. Translates core_pb2 <-> plain
+values; failures become VisorErrors (`CoreUnreachable` when the core itself could not be reached,
+which the router may fail over)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.types import Delta, Params, Turn
 from shared.errors import Reason, VisorError
@@ -106,20 +109,65 @@ class CoreFinal:
     finish_reason: str  # "stop" or "length"
 
 
+CORE_SERVICE = "visor.v1.Core"
+
+
+class CoreUnreachable(VisorError):
+    """The core could not be reached or dropped the connection (transport UNAVAILABLE)."""
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(Reason.CORE_UNAVAILABLE, "no core is reachable", detail)
+
+    def __reduce__(self) -> tuple[type[VisorError], tuple[Reason, str, str]]:
+        return (VisorError, (self.reason, self.message, self.detail))
+
+
 def _rpc_error(exc: grpc.RpcError) -> VisorError:
     if exc.code() == grpc.StatusCode.UNAVAILABLE:
-        return VisorError(Reason.CORE_UNAVAILABLE, "no core is reachable")
+        err = from_rpc_error(exc)
+        # A refusal the core chose (e.g. OVERLOADED) keeps its reason; only transport failures
+        # mean "this core is gone".
+        return err if err.reason != Reason.CORE_UNAVAILABLE else CoreUnreachable("unavailable")
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         return VisorError(Reason.DEADLINE_EXCEEDED, "the deadline passed")
     return from_rpc_error(exc)
 
 
 class CoreClient:
-    def __init__(self, address: str) -> None:
+    def __init__(
+        self,
+        address: str,
+        credentials: grpc.ChannelCredentials | None = None,
+        server_name: str = "",
+    ) -> None:
+        """`server_name` replaces the dialled host when checking the core's certificate (set
+        when `address` is an IP resolved from a DNS name the certificate carries)."""
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        else:
+            options: list[tuple[str, int | str]] = list(CHANNEL_OPTIONS)
+            if server_name:
+                options.append(("grpc.ssl_target_name_override", server_name))
+            self._channel = grpc.aio.secure_channel(address, credentials, options=options)
         self._stub = core_pb2_grpc.CoreStub(self._channel)  # type: ignore[no-untyped-call]
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._geometry: Geometry | None = None
+
+    @property
+    def core_id(self) -> str:
+        """The core's own id once described (stable across restarts); "" before."""
+        return self._geometry.core_id if self._geometry is not None else ""
+
+    async def serving(self, timeout: float) -> bool:
+        """grpc.health.v1 Check of the Core service: True only when it answers SERVING."""
+        try:
+            reply = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=CORE_SERVICE), timeout=timeout
+            )
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def geometry(self, timeout: float | None) -> Geometry:
         if self._geometry is None:
@@ -150,7 +198,7 @@ class CoreClient:
             await call.write(core_pb2.CoreMessage(header=_header(req)))
             reply = await call.read()
             if reply is grpc.aio.EOF or reply.WhichOneof("kind") != "cache":
-                raise VisorError(Reason.CORE_UNAVAILABLE, "the core ended the handshake")
+                raise CoreUnreachable("the core ended the handshake")
             missing = [i for i, held in enumerate(reply.cache.held) if not held]
             arrays = await pixels_for(missing)
             t0 = time.perf_counter()

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from shared.metrics import stage_histogram
 
 REQUESTS = Counter("visor_gateway_requests_total", "Generate calls by outcome.", ["outcome"])
 STAGES = stage_histogram("gateway")
+CORES_HEALTHY = Gauge("visor_gateway_cores_healthy", "Cores that passed their last health check.")
+CORE_FAILOVERS = Counter(
+    "visor_gateway_core_failovers_total", "Requests moved to the next core after UNAVAILABLE."
+)

@@ -11,14 +11,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import numpy as np
 
-from gateway import decode, limits, tiling
+from gateway import decode, limits, metrics, routing, tiling
 from gateway.config import LimitsConfig
-from gateway.core_client import CoreClient, CoreFinal, CoreRequest, Geometry, ItemHeader
+from gateway.core_client import (
+    CoreClient,
+    CoreFinal,
+    CoreRequest,
+    CoreUnreachable,
+    Geometry,
+    ItemHeader,
+)
 from gateway.pool import DecodePool
 from gateway.quota import Quotas
 from gateway.sniff import sniff
@@ -52,16 +59,41 @@ class Plan:
     frames: tuple[int, ...]  # sampled frame indices, one core item each
 
 
+@dataclass(slots=True)
+class _Job:
+    """What every attempt of one request shares (one attempt per core tried)."""
+
+    tenant: str  # authenticated tenant
+    request_id: str  # request id
+    ask: Ask  # the request
+    max_new: int  # max_new_tokens after limits
+    media: list[bytes]  # every media item, in order
+    formats: list[str]  # sniffed format per item
+    hashes: list[str]  # content hash per item
+    started: float  # arrival (perf_counter)
+    timeout: float | None  # seconds from `started`
+    plans: dict[int, list[Plan]] = field(default_factory=dict)  # by the core's tile side
+
+    @property
+    def deadline(self) -> float | None:
+        return self.started + self.timeout if self.timeout is not None else None
+
+    def remaining(self) -> float | None:
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - time.perf_counter())
+
+
 class Pipeline:
     def __init__(
         self,
         limits_cfg: LimitsConfig,
         pool: DecodePool,
-        core: CoreClient,
+        router: routing.Router,
         default_profile: str,
         quotas: Quotas | None = None,
     ) -> None:
-        self.limits, self.pool, self.core = limits_cfg, pool, core
+        self.limits, self.pool, self.router = limits_cfg, pool, router
         self.default_profile = default_profile
         self.quotas = quotas or Quotas(0, 0.0, 0)
 
@@ -98,49 +130,68 @@ class Pipeline:
         hashes = [content_hash(m) for m in media]
         if media:
             timings["sniff"] = _ms(t0)
-        geo = await self.core.geometry(timeout)
-        deadline = started + timeout if timeout is not None else None
-        plans = await self._plan(media, formats, ask.detail, geo, timings, deadline)
-        items = [(p, f) for p in plans for f in p.frames]
-        headers = tuple(
-            ItemHeader(
-                hashes[p.media],
-                geo.preprocess_version,
-                geo.image_size,
-                p.grid.rows,
-                p.grid.cols,
-                (p.grid.num_tiles, 3, geo.image_size, geo.image_size),
-                frame,
+        job = _Job(tenant, request_id, ask, max_new, media, formats, hashes, started, timeout)
+        key = routing.route_key(tenant, hashes[0] if hashes else None, request_id)
+        failure: VisorError = CoreUnreachable("no core configured")
+        for core in self.router.candidates(key):
+            streamed = False
+            try:
+                async for event in self._on_core(core, job, timings):
+                    streamed = streamed or isinstance(event, Delta)
+                    yield event
+                return
+            except CoreUnreachable as err:
+                self.router.mark_down(core)
+                if streamed:  # tokens already reached the client: never answer twice
+                    raise
+                metrics.CORE_FAILOVERS.inc()
+                failure = err
+            if job.deadline is not None and time.perf_counter() >= job.deadline:
+                raise VisorError(Reason.DEADLINE_EXCEEDED, "the deadline passed")
+        raise failure
+
+    async def _on_core(
+        self, core: CoreClient, job: _Job, timings: dict[str, float]
+    ) -> AsyncIterator[Delta | Final]:
+        """One attempt on one core: its geometry, the plan for it, the handshake, the tokens."""
+        geo = await core.geometry(job.remaining())
+        if geo.image_size not in job.plans:  # cores of one deployment share it: plan once
+            job.plans[geo.image_size] = await self._plan(
+                job.media, job.formats, job.ask.detail, geo, timings, job.deadline
             )
-            for p, frame in items
-        )
+        plans = job.plans[geo.image_size]
+        items = [(p, f) for p in plans for f in p.frames]
+        headers = _headers(job.hashes, geo, items)
         missed: list[int] = []
 
         async def pixels_for(missing: list[int]) -> list[np.ndarray]:
-            missed.extend(missing)
-            return await self._decode(media, formats, geo, items, missing, timings, deadline)
+            missed[:] = missing
+            return await self._decode(
+                job.media, job.formats, geo, items, missing, timings, job.deadline
+            )
 
         def on_transfer(ms: float) -> None:
             timings["transfer"] = ms
 
+        ask = job.ask
         req = CoreRequest(
-            tenant,
-            request_id,
+            job.tenant,
+            job.request_id,
             ask.turns,
-            replace(ask.params, max_new_tokens=max_new),
+            replace(ask.params, max_new_tokens=job.max_new),
             headers,
             ask.profile or self.default_profile,
             _images_per_turn(ask, plans),
         )
         first = True
-        async for event in self.core.infer(req, timeout, pixels_for, on_transfer):
+        async for event in core.infer(req, job.remaining(), pixels_for, on_transfer):
             if isinstance(event, Delta):
                 if first and event.text:
-                    timings["ttft"], first = _ms(started), False
+                    timings["ttft"], first = _ms(job.started), False
                 yield event
             else:
                 item_hashes = [h.content_hash for h in headers]
-                yield _final(event, item_hashes, set(missed), timings, started, first)
+                yield _final(event, item_hashes, set(missed), timings, job.started, first)
 
     async def _plan(
         self,
@@ -214,6 +265,25 @@ class Pipeline:
                 raise VisorError(Reason.DECODER_CRASHED, "the decoder returned the wrong geometry")
         by_media = {m: list(r.arrays) for m, r in zip(order, replies, strict=True)}
         return [by_media[items[i][0].media].pop(0) for i in missing]
+
+
+def _headers(
+    hashes: list[str], geo: Geometry, items: list[tuple[Plan, int]]
+) -> tuple[ItemHeader, ...]:
+    """What the core is told about each item: its cache key fields and tensor shape."""
+    size = geo.image_size
+    return tuple(
+        ItemHeader(
+            hashes[p.media],
+            geo.preprocess_version,
+            size,
+            p.grid.rows,
+            p.grid.cols,
+            (p.grid.num_tiles, 3, size, size),
+            frame,
+        )
+        for p, frame in items
+    )
 
 
 def _images_per_turn(ask: Ask, plans: list[Plan]) -> tuple[int, ...]:

@@ -13,10 +13,10 @@ from grpc_health.v1 import health_pb2
 
 from gateway.auth import Authenticator
 from gateway.config import MIB, GatewayConfig, LimitsConfig, Tenant
-from gateway.core_client import CoreClient
 from gateway.pipeline import Pipeline
 from gateway.pool import DecodePool, PoolSettings
 from gateway.quota import Quotas
+from gateway.routing import Router, RouterSettings
 from gateway.sandbox import PROTECTIONS
 from gateway.servicer import GatewayServicer
 from shared import logs, metrics, serving
@@ -126,10 +126,11 @@ async def run(cfg: GatewayConfig, lim: LimitsConfig, tenants: tuple[Tenant, ...]
         raise ConfigError(str(exc)) from None
     log.info("pillow", **pillow_build())
     pool = _start_pool(cfg, lim, log)
-    core = CoreClient(cfg.cores[0])
+    router = Router(RouterSettings.from_config(cfg))
+    await router.start()
     quotas = Quotas(cfg.max_concurrent_per_tenant, cfg.rate_per_tenant, cfg.burst_per_tenant)
     server = new_server(cfg)
-    pipeline = Pipeline(lim, pool, core, cfg.default_profile, quotas)
+    pipeline = Pipeline(lim, pool, router, cfg.default_profile, quotas)
     servicer = GatewayServicer(auth, pipeline, lim, cfg.default_deadline_s)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     health = serving.add_health_and_reflection(server, [SERVICE])
@@ -141,11 +142,16 @@ async def run(cfg: GatewayConfig, lim: LimitsConfig, tenants: tuple[Tenant, ...]
     status = health_pb2.HealthCheckResponse
     await health.set(SANDBOX_HEALTH, status.SERVING if sandbox_ok else status.NOT_SERVING)
     log.info(
-        "gateway_started", listen=cfg.listen, cores=list(cfg.cores), workers=cfg.decode_workers
+        "gateway_started",
+        listen=cfg.listen,
+        cores=list(cfg.cores),
+        num_cores=len(router.healthy()),
+        workers=cfg.decode_workers,
+        mtls=cfg.core_tls().enabled,
     )
 
     async def close() -> None:
-        await core.close()
+        await router.close()
         await asyncio.to_thread(pool.close)
         log.info("gateway_stopped")
 

@@ -155,6 +155,48 @@ def _bench_wire(args: argparse.Namespace) -> int:
     return wire.main(Path(args.model), args.tiles, args.repeats)
 
 
+def _certs(args: argparse.Namespace) -> int:
+    from shared import certs
+
+    made = certs.write_dev_certs(Path(args.out), args.dns_name, args.days)
+    for name in made.__slots__:
+        print(f"{name:13} {getattr(made, name)}")
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    from shared import probe
+    from shared.tls import TlsFiles
+
+    files = TlsFiles(args.ca, args.cert, args.key)
+    return probe.main(args.target, args.service, files, args.server_name, args.timeout)
+
+
+def _add_deploy_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    c = sub.add_parser("certs", help="certificates for mTLS between gateway and core")
+    cd = c.add_subparsers(dest="certs_cmd", required=True).add_parser(
+        "dev", help="a development CA, a core server cert and a gateway client cert"
+    )
+    cd.add_argument("--out", required=True, help="directory for the PEM files")
+    cd.add_argument(
+        "--dns-name",
+        action="append",
+        default=[],
+        help="extra DNS name in the core cert (repeatable), e.g. the headless Service name",
+    )
+    cd.add_argument("--days", type=int, default=30, help="validity in days")
+    cd.set_defaults(fn=_certs)
+    h = sub.add_parser("health", help="one grpc.health.v1 check; exit 0 when SERVING")
+    h.add_argument("--target", default="127.0.0.1:50052")
+    h.add_argument("--service", default="", help="e.g. visor.v1.Core; empty = whole server")
+    h.add_argument("--ca", default="", help="PEM CA of the server's certificate (mTLS)")
+    h.add_argument("--cert", default="", help="PEM client certificate (mTLS)")
+    h.add_argument("--key", default="", help="PEM client key (mTLS)")
+    h.add_argument("--server-name", default="", help="name to check in the server's cert")
+    h.add_argument("--timeout", type=float, default=3.0)
+    h.set_defaults(fn=_health)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="visor", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -212,6 +254,7 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--seed", type=int, default=0)
     i.add_argument("--force", action="store_true")
     i.set_defaults(fn=_init_demo)
+    _add_deploy_commands(sub)
     return p
 
 

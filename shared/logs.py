@@ -61,6 +61,11 @@ ALLOWED_KEYS = frozenset(
         "detail",
         "profile",
         "where",
+        "mtls",
+        "address",
+        "healthy",
+        "num_cores",
+        "attempt",
     }
 )
 # Keys whose values are user text: logged as length + short hash only.

@@ -31,11 +31,20 @@ def start(
 
 
 def wait_healthy(
-    target: str, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = 60.0
+    target: str,
+    proc: subprocess.Popen[bytes] | None = None,
+    timeout_s: float = 60.0,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> None:
-    """Polls grpc.health.v1 until SERVING; fails early if the process exits."""
+    """Polls grpc.health.v1 until SERVING (over mTLS with `credentials`); fails early if the
+    process exits."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
+    channel = (
+        grpc.insecure_channel(target)
+        if credentials is None
+        else grpc.secure_channel(target, credentials)
+    )
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:

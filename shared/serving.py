@@ -27,9 +27,14 @@ def new_server() -> grpc.aio.Server:
     )
 
 
-def bind(server: grpc.aio.Server, address: str) -> int:
-    """Opens the (plaintext, loopback-checked by config) port; a clear error when it is taken."""
+def bind(
+    server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None
+) -> int:
+    """Opens the port, TLS when `credentials` are given (plaintext is loopback-checked by each
+    config's validate()); a clear error when the port is taken."""
     try:
+        if credentials is not None:
+            return int(server.add_secure_port(address, credentials))
         return int(server.add_insecure_port(address))
     except RuntimeError:
         raise ConfigError(f"cannot listen on {address}: is another process using it?") from None

@@ -65,8 +65,17 @@ def test_tenants_are_checked(tmp_path: Path) -> None:
 
 
 def test_core_refuses_a_public_plaintext_listen() -> None:
-    with pytest.raises(ConfigError, match="loopback"):
+    with pytest.raises(ConfigError, match="plaintext is allowed only on loopback"):
         build(CoreConfig, "core", {}, {"VISOR_CORE_LISTEN": "0.0.0.0:50052"})
+
+
+def test_core_listens_publicly_only_with_mtls() -> None:
+    tls = {"VISOR_CORE_TLS_CERT": "c.crt", "VISOR_CORE_TLS_KEY": "c.key"}
+    with pytest.raises(ConfigError, match="all three TLS files"):
+        build(CoreConfig, "core", {}, {**tls, "VISOR_CORE_LISTEN": "0.0.0.0:50052"})
+    tls["VISOR_CORE_TLS_CLIENT_CA"] = "ca.crt"
+    cfg = build(CoreConfig, "core", {}, {**tls, "VISOR_CORE_LISTEN": "0.0.0.0:50052"})
+    assert cfg.tls().enabled
 
 
 def test_example_config_holds_every_key_with_its_default() -> None:
