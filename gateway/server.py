@@ -129,7 +129,7 @@ async def run(cfg: GatewayConfig, lim: LimitsConfig, tenants: tuple[Tenant, ...]
     core = CoreClient(cfg.cores[0])
     quotas = Quotas(cfg.max_concurrent_per_tenant, cfg.rate_per_tenant, cfg.burst_per_tenant)
     server = new_server(cfg)
-    pipeline = Pipeline(lim, pool, core, cfg.default_profile, quotas)
+    pipeline = Pipeline(lim, pool, core, cfg.default_profile, quotas, cfg.video)
     servicer = GatewayServicer(auth, pipeline, lim, cfg.default_deadline_s)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     health = serving.add_health_and_reflection(server, [SERVICE])
