@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	  $(PIP) install $(PIP_QUIET) -e '.[gateway,core,dev]'; \
 	else \
 	  echo "WARNING: pillow-simd could not be built; falling back to Pillow (slower resizing)." >&2; \
-	  $(PIP) install $(PIP_QUIET) Pillow "pyseccomp>=0.1.2" && $(PIP) install $(PIP_QUIET) -e '.[core,dev]'; \
+	  $(PIP) install $(PIP_QUIET) Pillow "pyseccomp>=0.1.2" "av>=14" && $(PIP) install $(PIP_QUIET) -e '.[core,dev]'; \
 	fi
 	@$(MAKE) --no-print-directory interop
 	@touch $@

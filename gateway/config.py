@@ -85,9 +85,8 @@ class LimitsConfig:
 
     def validate(self) -> None:
         for name in self.__slots__:
-            value = getattr(self, name)
-            if value <= 0 or (isinstance(value, int) and value < 1):
-                raise ConfigError(f"[limits] {name} must be >= 1 (seconds and rates > 0)")
+            if getattr(self, name) <= 0:  # integers >= 1; seconds and rates > 0
+                raise ConfigError(f"[limits] {name} must be > 0")
         if self.default_new_tokens > self.max_new_tokens:
             raise ConfigError("[limits] default_new_tokens must not exceed max_new_tokens")
         if self.max_item_bytes > self.max_request_bytes:

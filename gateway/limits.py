@@ -8,7 +8,6 @@ from shared.errors import Reason, VisorError
 from shared.wire import PROFILES
 
 
-
 def check_bytes(limits: LimitsConfig, item_bytes: int, request_bytes: int) -> None:
     """Called while receiving, so an upload stops at the first byte over a limit."""
     if item_bytes > limits.max_item_bytes:

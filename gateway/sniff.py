@@ -11,8 +11,20 @@ VIDEO = ("MP4", "WEBM")
 # ISO-BMFF major brands of MP4/QuickTime video. HEIF/AVIF stills (heic, mif1, avif, ...) share the
 # box format but are not on the list: they are not video, and the MP4 demuxer is the wrong parser.
 MP4_BRANDS = frozenset(
-    {b"isom", b"iso2", b"iso4", b"iso5", b"iso6", b"mp41", b"mp42", b"avc1", b"av01", b"dash",
-     b"M4V ", b"qt  "}
+    {
+        b"isom",
+        b"iso2",
+        b"iso4",
+        b"iso5",
+        b"iso6",
+        b"mp41",
+        b"mp42",
+        b"avc1",
+        b"av01",
+        b"dash",
+        b"M4V ",
+        b"qt  ",
+    }
 )
 EBML_MAGIC = b"\x1a\x45\xdf\xa3"  # Matroska / WebM
 

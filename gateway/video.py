@@ -26,7 +26,10 @@ from shared.errors import Reason, VisorError
 
 try:  # the gateway extra ships PyAV; without it video is UNSUPPORTED_FORMAT
     import av
+    import av.logging
 
+    # FFmpeg's log would print paths and URLs from the file: PyAV's default ignores it all.
+    av.logging.set_level(None)
     HAS_AV = True
 except ImportError:  # pragma: no cover - depends on the install
     HAS_AV = False
@@ -99,7 +102,9 @@ def has_external_refs(data: bytes) -> bool:
     return any(_dref_external(data[a:b]) for a, b in _find(data, 0, len(data), budget, b"dref"))
 
 
-def _find(data: bytes, start: int, end: int, budget: list[int], kind: bytes) -> Iterator[tuple[int, int]]:
+def _find(
+    data: bytes, start: int, end: int, budget: list[int], kind: bytes
+) -> Iterator[tuple[int, int]]:
     pos = start
     while pos + 8 <= end and budget[0] > 0:
         budget[0] -= 1
@@ -141,8 +146,8 @@ def _open(data: bytes, fmt: str) -> Any:
         raise VisorError(Reason.UNSUPPORTED_FORMAT, "video is not supported by this gateway")
     if fmt == "MP4" and has_external_refs(data):
         raise VisorError(
-            Reason.UNSUPPORTED_FORMAT, "the video refers to external data; only self-contained "
-            "files are allowed"
+            Reason.UNSUPPORTED_FORMAT,
+            "the video refers to external data; only self-contained files are allowed",
         )
     options = MOV_OPTIONS if fmt == "MP4" else {}
     try:
@@ -178,7 +183,9 @@ def _video_stream(container: Any, lim: VideoLimits) -> Any:
     return stream
 
 
-def _header(container: Any, stream: Any, lim: VideoLimits, max_pixels: int, max_side: int) -> Header:
+def _header(
+    container: Any, stream: Any, lim: VideoLimits, max_pixels: int, max_side: int
+) -> Header:
     width, height = int(stream.codec_context.width), int(stream.codec_context.height)
     decode.check_pixels(width, height, max_pixels, max_side)
     if stream.duration and stream.time_base:
@@ -187,8 +194,8 @@ def _header(container: Any, stream: Any, lim: VideoLimits, max_pixels: int, max_
         duration = container.duration / 1_000_000  # AV_TIME_BASE
     else:
         raise VisorError(
-            Reason.FRAME_LIMIT, "the video declares no duration, so max_video_duration_s "
-            "cannot be checked"
+            Reason.FRAME_LIMIT,
+            "the video declares no duration, so max_video_duration_s cannot be checked",
         )
     if not 0 < duration <= lim.max_duration_s:
         raise VisorError(
@@ -272,12 +279,18 @@ def decode_video(data: bytes, spec: decode.Spec, lim: VideoLimits) -> decode.Dec
     return decode.Decoded(items, (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000)
 
 
-def sample(codec: str = "libx264", fmt: str = "mp4", seconds: float = 1.0, fps: int = 10,
-           size: tuple[int, int] = (64, 48)) -> bytes:
-    """A small generated video (used to warm the decoders up and by tests)."""
+def sample(
+    codec: str = "libx264",
+    fmt: str = "mp4",
+    seconds: float = 1.0,
+    fps: int = 10,
+    size: tuple[int, int] = (64, 48),
+) -> bytes:
+    """A small generated video, decoded once by `warm`."""
     buf = io.BytesIO()
     with av.open(buf, "w", format=fmt) as out:
         stream = out.add_stream(codec, rate=fps)
+        assert isinstance(stream, av.VideoStream)
         stream.width, stream.height = size
         stream.pix_fmt = "yuv420p"
         for i in range(max(1, round(seconds * fps))):
@@ -298,5 +311,7 @@ def warm() -> None:
     for codec, fmt, sniffed in (("libx264", "mp4", "MP4"), ("libvpx-vp9", "webm", "WEBM")):
         data = sample(codec, fmt)
         p = probe(data, sniffed, lim, 1 << 20, 1 << 10)
-        spec = decode.Spec(sniffed, 16, (0, 0, 0), 1, 1, tuple(range(p.num_frames)), 1 << 20, 1 << 10)
+        spec = decode.Spec(
+            sniffed, 16, (0, 0, 0), 1, 1, tuple(range(p.num_frames)), 1 << 20, 1 << 10
+        )
         decode_video(data, spec, lim)
