@@ -9,7 +9,7 @@ DEBIAN_DEV := libjpeg-dev zlib1g-dev libpng-dev libwebp-dev libtiff-dev libfreet
 MODEL := models/demo
 PIP_QUIET := --quiet --disable-pip-version-check
 
-.PHONY: install run demo test protos lint bench clean interop debian-dev
+.PHONY: install run demo test protos lint bench clean interop debian-dev fuzz
 
 install: $(STAMP)
 
@@ -59,6 +59,12 @@ demo: $(STAMP) protos $(MODEL)/config.json
 
 test: $(STAMP) protos $(MODEL)/config.json
 	$(BIN)/python -m pytest -q
+
+# Fuzz sniff -> probe -> decode for SECONDS (atheris/libFuzzer; a mutation loop without it).
+# Seeds and any crash-* artifact go to .visor/fuzz.
+SECONDS ?= 300
+fuzz: $(STAMP)
+	$(BIN)/python -m tests.gateway.fuzz_media --seconds $(SECONDS) --workdir .visor/fuzz
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -176,7 +176,8 @@ def _video_stream(container: Any, lim: VideoLimits) -> Any:
     if not container.streams.video:
         raise VisorError(Reason.CORRUPT_MEDIA, "the container holds no video stream")
     stream = container.streams.video[0]
-    if stream.codec_context.name not in DECODERS:
+    ctx = stream.codec_context  # None when FFmpeg has no decoder for the codec at all
+    if ctx is None or ctx.name not in DECODERS:
         raise VisorError(
             Reason.UNSUPPORTED_FORMAT, "the video codec is not allowed; allowed: H.264, VP9, AV1"
         )
