@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip
 STAMP := $(VENV)/.installed
-DEBIAN_DEV := libjpeg-dev zlib1g-dev libpng-dev libwebp-dev libtiff-dev libfreetype-dev
+DEBIAN_DEV := libjpeg-dev zlib1g-dev libpng-dev libwebp-dev libtiff-dev libfreetype-dev libjpeg-turbo-progs
 MODEL := models/demo
 PIP_QUIET := --quiet --disable-pip-version-check
 
@@ -27,7 +27,8 @@ $(STAMP): pyproject.toml Makefile
 	@$(MAKE) --no-print-directory interop
 	@touch $@
 
-# pillow-simd compiles against these; installed only when root and missing.
+# pillow-simd compiles against these (libjpeg-turbo-progs: djpeg, the floor `visor bench gateway`
+# compares with); installed only when root and missing.
 debian-dev:
 	@missing=$$(for p in $(DEBIAN_DEV); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
@@ -74,6 +75,7 @@ lint: $(STAMP)
 bench: $(STAMP) protos $(MODEL)/config.json
 	$(BIN)/visor bench wire
 	$(BIN)/visor bench cache --json
+	$(BIN)/visor bench gateway --json
 
 clean:
 	rm -rf $(VENV) shared/pb .pytest_cache .mypy_cache .ruff_cache tests/interop/node_modules .visor
