@@ -208,7 +208,7 @@ def _to_srgb(rgb: Image.Image, src: Image.Image) -> Image.Image:
     icc = src.info.get("icc_profile")
     if not icc or not HAS_LCMS:
         return rgb
-    from PIL import ImageCms
+    from PIL import ImageCms  # loaded by `warm` before seccomp; after it, an import would kill
 
     try:
         profile = ImageCms.ImageCmsProfile(io.BytesIO(icc))
@@ -291,6 +291,13 @@ def warm() -> None:
     big = io.BytesIO()
     Image.new("RGB", (512, 512)).save(big, "JPEG")
     decode(big.getvalue(), Spec("JPEG", 16, (0, 0, 0), 1, 1, (0,), 1 << 20, 1 << 10))
+    if HAS_LCMS:  # an embedded profile: ImageCms and LittleCMS's transform code get loaded
+        from PIL import ImageCms
+
+        srgb = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+        tagged = io.BytesIO()
+        Image.new("RGB", (8, 8)).save(tagged, "PNG", icc_profile=srgb)
+        decode(tagged.getvalue(), Spec("PNG", 16, (0, 0, 0), 1, 1, (0,), 1 << 20, 1 << 10))
     for mode in ("L", "LA", "P", "CMYK", "I;16", "I", "1", "RGBa"):
         _to_rgb(Image.new(mode, (2, 2)))
     with contextlib.suppress(VisorError):
