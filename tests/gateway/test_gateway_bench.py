@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
+
+import PIL
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,6 +27,10 @@ def test_bench_gateway_prints_one_json_object() -> None:
     assert len(lines) == 1
     out = json.loads(lines[0])
     assert out["bench"] == "gateway" and out["pillow"]["backend"] in ("pillow-simd", "Pillow")
+    assert out["pillow"]["simd"] == str(out["pillow"]["backend"] == "pillow-simd").lower()
+    # The reported build is the one whose files are loaded (both may be installed).
+    assert out["pillow"]["version"].startswith(PIL.__version__ + " ")
+    assert metadata.version(out["pillow"]["backend"]) == PIL.__version__
     for size in ("1080p", "4k"):
         row = out[size]
         for path in ("sandboxed", "a_in_process", "b_pillow_full"):
