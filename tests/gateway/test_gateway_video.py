@@ -5,6 +5,7 @@ refused without any connection being made. Videos are generated here with PyAV's
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,9 @@ import grpc
 import pytest
 
 from gateway import video
+from gateway.sniff import sniff
 from shared import procs
+from shared.errors import Reason, VisorError
 from tests.conftest import Stack, free_port
 from tests.gateway import videos
 from tests.gateway.test_gateway_hostile import assert_workers_steady
@@ -155,3 +158,13 @@ def test_external_reference_detection() -> None:
     assert not video.has_external_refs(videos.video("h264-mp4", seconds=1.0))
     assert video.has_external_refs(videos.mp4_with_external_ref("http://example.invalid/a"))
     assert not video.has_external_refs(b"\x00\x00\x00\x08moov" * 3)  # malformed: FFmpeg decides
+
+
+def test_sniffing_video() -> None:
+    mp4, webm = videos.video("h264-mp4", seconds=1.0), videos.video("vp9-webm", seconds=1.0)
+    assert (sniff(mp4), sniff(webm)) == ("MP4", "WEBM")
+    heif = struct.pack(">I4s4sI", 24, b"ftyp", b"heic", 0) + b"mif1heic"
+    for data, video_on in ((mp4, False), (webm, False), (heif, True)):
+        with pytest.raises(VisorError) as info:
+            sniff(data, video_on)
+        assert info.value.reason is Reason.UNSUPPORTED_FORMAT
