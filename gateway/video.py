@@ -10,6 +10,7 @@ decoded. Decoding is single-threaded: one job per worker, and the seccomp filter
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import struct
@@ -212,37 +213,46 @@ def _header(
     return Header(width, height, duration, rate)
 
 
-def probe(data: bytes, fmt: str, lim: VideoLimits, max_pixels: int, max_side: int) -> decode.Probe:
-    """Header values only; `num_frames` is the number of frames that will be sampled."""
-    container = _open(data, fmt)
+@contextlib.contextmanager
+def _parsing(container: Any) -> Iterator[None]:
+    """Closes the container; anything FFmpeg or PyAV raises that is not a refusal of ours is
+    corrupt media (only the exception's type name is kept, for the log)."""
     try:
-        stream = _video_stream(container, lim)
-        head = _header(container, stream, lim, max_pixels, max_side)
-    finally:
-        container.close()
-    return decode.Probe(head.width, head.height, len(sample_times(head.duration_s, lim)))
-
-
-def _frames(container: Any, stream: Any, lim: VideoLimits) -> Iterator[tuple[float, Any]]:
-    """(time in seconds, frame) in presentation order, refusing a stream that holds more frames
-    than its header allowed (a header can lie; the count cannot)."""
-    stream.codec_context.thread_count = 1  # frame threads would need clone()
-    count = 0
-    try:
-        for frame in container.decode(stream):
-            count += 1
-            if count > lim.max_frames:
-                raise VisorError(
-                    Reason.FRAME_LIMIT,
-                    f"the video has more than max_video_frames ({lim.max_frames})",
-                )
-            yield (float(frame.time) if frame.time is not None else 0.0), frame
+        yield
     except VisorError:
         raise
     except Exception as exc:
         raise VisorError(
             Reason.CORRUPT_MEDIA, "media could not be decoded", type(exc).__name__
         ) from None
+    finally:
+        container.close()
+
+
+def probe(data: bytes, fmt: str, lim: VideoLimits, max_pixels: int, max_side: int) -> decode.Probe:
+    """Header values only; `num_frames` is the number of frames that will be sampled."""
+    container = _open(data, fmt)
+    with _parsing(container):
+        stream = _video_stream(container, lim)
+        head = _header(container, stream, lim, max_pixels, max_side)
+    return decode.Probe(head.width, head.height, len(sample_times(head.duration_s, lim)))
+
+
+def _frames(
+    container: Any, stream: Any, lim: VideoLimits, spec: decode.Spec
+) -> Iterator[tuple[float, Any]]:
+    """(seconds from the stream's start, frame) in presentation order. A header can lie, so each
+    frame's size is checked again (a stream may change resolution midway) and the frames are
+    counted against max_video_frames."""
+    stream.codec_context.thread_count = 1  # frame threads would need clone()
+    start = float(stream.start_time * stream.time_base) if stream.start_time else 0.0
+    for count, frame in enumerate(container.decode(stream), 1):
+        if count > lim.max_frames:
+            raise VisorError(
+                Reason.FRAME_LIMIT, f"the video has more than max_video_frames ({lim.max_frames})"
+            )
+        decode.check_pixels(frame.width, frame.height, spec.max_pixels, spec.max_side)
+        yield (float(frame.time) - start if frame.time is not None else 0.0), frame
 
 
 def _rgb(frame: Any) -> Image.Image:
@@ -254,7 +264,7 @@ def decode_video(data: bytes, spec: decode.Spec, lim: VideoLimits) -> decode.Dec
     frame at or after it (the last frame when the stream ends early)."""
     t0 = time.perf_counter()
     container = _open(data, spec.fmt)
-    try:
+    with _parsing(container):
         stream = _video_stream(container, lim)
         head = _header(container, stream, lim, spec.max_pixels, spec.max_side)
         times = sample_times(head.duration_s, lim)
@@ -263,7 +273,7 @@ def decode_video(data: bytes, spec: decode.Spec, lim: VideoLimits) -> decode.Dec
             raise VisorError(Reason.INVALID_REQUEST, "a sampled frame index is out of range")
         picked: dict[int, Image.Image] = {}
         last: Any = None
-        for t, frame in _frames(container, stream, lim):
+        for t, frame in _frames(container, stream, lim, spec):
             last = frame
             while wanted and t >= times[wanted[0]]:
                 picked[wanted.pop(0)] = _rgb(frame)
@@ -273,8 +283,6 @@ def decode_video(data: bytes, spec: decode.Spec, lim: VideoLimits) -> decode.Dec
             raise VisorError(Reason.CORRUPT_MEDIA, "the video holds no decodable frame")
         for i in wanted:
             picked[i] = _rgb(last)
-    finally:
-        container.close()
     t1 = time.perf_counter()
     items = tuple(decode.preprocess(picked[i], spec) for i in spec.frames)
     return decode.Decoded(items, (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000)
