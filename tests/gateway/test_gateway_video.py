@@ -145,6 +145,23 @@ def test_video_switched_off_is_unsupported(stack: Stack, tmp_path: Path) -> None
         procs.stop(proc)
 
 
+def test_max_video_frames_is_a_frame_limit(stack: Stack, tmp_path: Path) -> None:
+    listen = f"127.0.0.1:{free_port()}"
+    env = {**stack.env, "VISOR_GATEWAY_LISTEN": listen, "VISOR_GATEWAY_DECODE_WORKERS": "1"}
+    env["VISOR_LIMITS_MAX_VIDEO_FRAMES"] = "20"
+    proc = procs.start("gateway", env, stack.logs / "visor.toml", tmp_path / "gateway.log")
+    try:
+        procs.wait_healthy(listen, proc, timeout_s=60)
+        for kind in ("h264-mp4", "vp9-webm"):  # MP4 declares its frames; WebM only a rate
+            over = generate(listen, request(media=(videos.video(kind, seconds=3.0, fps=10),)))
+            assert (over.code, over.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "FRAME_LIMIT")
+            assert "max_video_frames" in over.message, kind
+        under = generate(listen, request(media=(videos.video("vp9-webm", seconds=1.5, fps=10),)))
+        assert under.code == grpc.StatusCode.OK, (under.code, under.reason)
+    finally:
+        procs.stop(proc)
+
+
 def test_sample_times_follow_the_rate_up_to_the_cap() -> None:
     lim = video.VideoLimits(60.0, 4, 3600, 1.0, 8)
     assert video.sample_times(3.0, lim) == (0.5, 1.5, 2.5)
