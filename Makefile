@@ -5,11 +5,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip
 STAMP := $(VENV)/.installed
-DEBIAN_DEV := libjpeg-dev zlib1g-dev libpng-dev libwebp-dev libtiff-dev libfreetype-dev
+DEBIAN_DEV := libjpeg-dev zlib1g-dev libpng-dev libwebp-dev libtiff-dev libfreetype-dev libjpeg-turbo-progs
 MODEL := models/demo
 PIP_QUIET := --quiet --disable-pip-version-check
 
-.PHONY: install run demo test protos lint bench clean interop debian-dev
+.PHONY: install run demo test protos lint bench clean interop debian-dev fuzz
 
 install: $(STAMP)
 
@@ -22,12 +22,13 @@ $(STAMP): pyproject.toml Makefile
 	  $(PIP) install $(PIP_QUIET) -e '.[gateway,core,dev]'; \
 	else \
 	  echo "WARNING: pillow-simd could not be built; falling back to Pillow (slower resizing)." >&2; \
-	  $(PIP) install $(PIP_QUIET) Pillow "pyseccomp>=0.1.2" && $(PIP) install $(PIP_QUIET) -e '.[core,dev]'; \
+	  $(PIP) install $(PIP_QUIET) Pillow "pyseccomp>=0.1.2" "av>=14" && $(PIP) install $(PIP_QUIET) -e '.[core,dev]'; \
 	fi
 	@$(MAKE) --no-print-directory interop
 	@touch $@
 
-# pillow-simd compiles against these; installed only when root and missing.
+# pillow-simd compiles against these (libjpeg-turbo-progs: djpeg, the floor `visor bench gateway`
+# compares with); installed only when root and missing.
 debian-dev:
 	@missing=$$(for p in $(DEBIAN_DEV); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
@@ -60,6 +61,12 @@ demo: $(STAMP) protos $(MODEL)/config.json
 test: $(STAMP) protos $(MODEL)/config.json
 	$(BIN)/python -m pytest -q
 
+# Fuzz sniff -> probe -> decode for SECONDS (atheris/libFuzzer; a mutation loop without it).
+# Seeds and any crash-* artifact go to .visor/fuzz.
+SECONDS ?= 300
+fuzz: $(STAMP)
+	$(BIN)/python -m tests.gateway.fuzz_media --seconds $(SECONDS) --workdir .visor/fuzz
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -68,6 +75,7 @@ lint: $(STAMP)
 bench: $(STAMP) protos $(MODEL)/config.json
 	$(BIN)/visor bench wire
 	$(BIN)/visor bench cache --json
+	$(BIN)/visor bench gateway --json
 
 clean:
 	rm -rf $(VENV) shared/pb .pytest_cache .mypy_cache .ruff_cache tests/interop/node_modules .visor

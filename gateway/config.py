@@ -46,6 +46,7 @@ class GatewayConfig:
     max_concurrent_per_tenant: int = 0  # requests in flight per tenant; 0 = no cap
     rate_per_tenant: float = 0.0  # requests per second per tenant (token bucket); 0 = no cap
     burst_per_tenant: int = 0  # token-bucket size; 0 = max(1, rate_per_tenant)
+    video: bool = True  # MP4/WebM (H.264, VP9, AV1) accepted; false: UNSUPPORTED_FORMAT
 
     def validate(self) -> None:
         split_host_port(self.listen)
@@ -103,11 +104,15 @@ class LimitsConfig:
     max_frames: int = 64  # declared frames of an animation
     max_sampled_frames: int = 8  # frames sampled uniformly from an animation, one item each
     max_tiles: int = 6  # grid cells for detail=high (plus one thumbnail tile)
+    max_video_duration_s: float = 60.0  # declared duration of a video
+    max_video_streams: int = 4  # streams of any kind in a video container
+    max_video_frames: int = 3600  # declared, then decoded, frames of a video stream
+    video_sample_fps: float = 1.0  # video frames sampled per second, up to max_sampled_frames
 
     def validate(self) -> None:
         for name in self.__slots__:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"[limits] {name} must be >= 1")
+            if getattr(self, name) <= 0:  # integers >= 1; seconds and rates > 0
+                raise ConfigError(f"[limits] {name} must be > 0")
         if self.default_new_tokens > self.max_new_tokens:
             raise ConfigError("[limits] default_new_tokens must not exceed max_new_tokens")
         if self.max_item_bytes > self.max_request_bytes:

@@ -111,7 +111,7 @@ def _open(data: bytes, fmt: str) -> Image.Image:
         ) from None
 
 
-def _check_pixels(width: int, height: int, max_pixels: int, max_side: int) -> None:
+def check_pixels(width: int, height: int, max_pixels: int, max_side: int) -> None:
     if width < 1 or height < 1:
         raise VisorError(Reason.CORRUPT_MEDIA, "media declares an empty canvas")
     if max(width, height) > max_side:
@@ -125,14 +125,14 @@ def probe(data: bytes, fmt: str, max_pixels: int, max_side: int, max_frames: int
     (Pillow refuses a frame whose extents blow past the pixel limit as it seeks)."""
     with _open(data, fmt) as img:
         width, height = img.size
-        _check_pixels(width, height, max_pixels, max_side)
+        check_pixels(width, height, max_pixels, max_side)
         try:
             num_frames = int(getattr(img, "n_frames", 1))
             if num_frames > max_frames:
                 raise VisorError(Reason.FRAME_LIMIT, f"frames exceed max_frames ({max_frames})")
             for index in range(1, num_frames):
                 img.seek(index)
-                _check_pixels(*img.size, max_pixels, max_side)
+                check_pixels(*img.size, max_pixels, max_side)
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
             raise VisorError(
                 Reason.PIXEL_LIMIT, "a frame exceeds the pixel limit", type(exc).__name__
@@ -161,7 +161,7 @@ def decode(data: bytes, spec: Spec) -> Decoded:
     decode_s = 0.0
     items = []
     with _open(data, spec.fmt) as img:
-        _check_pixels(*img.size, spec.max_pixels, spec.max_side)
+        check_pixels(*img.size, spec.max_pixels, spec.max_side)
         try:
             if spec.fmt == "JPEG":
                 _draft(img, spec)
@@ -169,10 +169,10 @@ def decode(data: bytes, spec: Spec) -> Decoded:
                 t1 = time.perf_counter()
                 if index:
                     img.seek(index)
-                    _check_pixels(*img.size, spec.max_pixels, spec.max_side)
+                    check_pixels(*img.size, spec.max_pixels, spec.max_side)
                 img.load()
                 decode_s += time.perf_counter() - t1
-                items.append(_preprocess(_upright(img), spec))
+                items.append(preprocess(_upright(img), spec))
         except VisorError:
             raise
         except Exception as exc:
@@ -208,7 +208,7 @@ def _to_srgb(rgb: Image.Image, src: Image.Image) -> Image.Image:
     icc = src.info.get("icc_profile")
     if not icc or not HAS_LCMS:
         return rgb
-    from PIL import ImageCms
+    from PIL import ImageCms  # loaded by `warm` before seccomp; after it, an import would kill
 
     try:
         profile = ImageCms.ImageCmsProfile(io.BytesIO(icc))
@@ -220,7 +220,7 @@ def _to_srgb(rgb: Image.Image, src: Image.Image) -> Image.Image:
     return out if out is not None else rgb
 
 
-def _preprocess(rgb: Image.Image, spec: Spec) -> np.ndarray:
+def preprocess(rgb: Image.Image, spec: Spec) -> np.ndarray:
     tiles = []
     if spec.rows * spec.cols > 1:
         tiles.append(_letterbox(rgb, spec.size, spec.fill))  # the global thumbnail comes first
@@ -291,6 +291,13 @@ def warm() -> None:
     big = io.BytesIO()
     Image.new("RGB", (512, 512)).save(big, "JPEG")
     decode(big.getvalue(), Spec("JPEG", 16, (0, 0, 0), 1, 1, (0,), 1 << 20, 1 << 10))
+    if HAS_LCMS:  # an embedded profile: ImageCms and LittleCMS's transform code get loaded
+        from PIL import ImageCms
+
+        srgb = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+        tagged = io.BytesIO()
+        Image.new("RGB", (8, 8)).save(tagged, "PNG", icc_profile=srgb)
+        decode(tagged.getvalue(), Spec("PNG", 16, (0, 0, 0), 1, 1, (0,), 1 << 20, 1 << 10))
     for mode in ("L", "LA", "P", "CMYK", "I;16", "I", "1", "RGBa"):
         _to_rgb(Image.new(mode, (2, 2)))
     with contextlib.suppress(VisorError):

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from gateway import decode, limits, metrics, routing, tiling
+from gateway import decode, limits, metrics, routing, tiling, video
 from gateway.config import LimitsConfig
 from gateway.core_client import (
     CoreClient,
@@ -28,7 +28,7 @@ from gateway.core_client import (
 )
 from gateway.pool import DecodePool
 from gateway.quota import Quotas
-from gateway.sniff import sniff
+from gateway.sniff import VIDEO, sniff
 from gateway.types import Ask, Delta, Final
 from shared.errors import Reason, VisorError
 from shared.hashing import content_hash
@@ -92,10 +92,20 @@ class Pipeline:
         router: routing.Router,
         default_profile: str,
         quotas: Quotas | None = None,
+        video_enabled: bool = True,
     ) -> None:
         self.limits, self.pool, self.router = limits_cfg, pool, router
         self.default_profile = default_profile
         self.quotas = quotas or Quotas(0, 0.0, 0)
+        self.video_enabled = video_enabled
+        lim = limits_cfg
+        self.video_limits = video.VideoLimits(
+            lim.max_video_duration_s,
+            lim.max_video_streams,
+            lim.max_video_frames,
+            lim.video_sample_fps,
+            lim.max_sampled_frames,
+        ).to_json()
 
     async def generate(
         self,
@@ -126,7 +136,7 @@ class Pipeline:
     ) -> AsyncIterator[Delta | Final]:
         media = [m for t in ask.turns for m in t.media]
         t0 = time.perf_counter()
-        formats = [sniff(m) for m in media]
+        formats = [sniff(m, self.video_enabled) for m in media]
         hashes = [content_hash(m) for m in media]
         if media:
             timings["sniff"] = _ms(t0)
@@ -209,7 +219,7 @@ class Pipeline:
         args = {"max_pixels": lim.max_pixels, "max_side": lim.max_side}
         args["max_frames"] = lim.max_frames
         jobs = [
-            self.pool.run("probe", {**args, "fmt": f}, m)
+            self.pool.run("probe", {**args, "fmt": f, "video": self.video_limits}, m)
             for m, f in zip(media, formats, strict=True)
         ]
         probes = await _within(deadline, asyncio.gather(*jobs))
@@ -218,7 +228,11 @@ class Pipeline:
         for index, reply in enumerate(probes):
             w, h = int(reply.body["width"]), int(reply.body["height"])
             grid = tiling.grid_for(detail, w, h, geo.image_size, lim.max_tiles)
-            frames = tiling.sample_frames(int(reply.body["num_frames"]), lim.max_sampled_frames)
+            num_frames = int(reply.body["num_frames"])
+            if formats[index] in VIDEO:  # the worker already sampled: one item per sample time
+                frames = tuple(range(min(num_frames, lim.max_sampled_frames)))
+            else:
+                frames = tiling.sample_frames(num_frames, lim.max_sampled_frames)
             plans.append(Plan(index, grid, frames))
         return plans
 
@@ -252,7 +266,8 @@ class Pipeline:
                 lim.max_pixels,
                 lim.max_side,
             )
-            jobs.append(self.pool.run("decode", spec.to_json(), media[m]))
+            args = {**spec.to_json(), "video": self.video_limits}
+            jobs.append(self.pool.run("decode", args, media[m]))
         replies = await _within(deadline, asyncio.gather(*jobs))
         if replies:
             timings["image_decode"] = sum(float(r.body["decode_ms"]) for r in replies)

@@ -34,6 +34,9 @@ KILL_SIGNAL = 9
 # Syscalls a worker needs once its inputs, outputs and libraries are set up: pipe I/O, memory,
 # signals, time, and exiting. Everything else fails with EPERM (harmless if a library probes
 # something) except the escape routes in KILLED, which end the process on the spot.
+# PyAV's bundled FFmpeg (mov/matroska demuxers, H.264, VP9 and dav1d decoders, swscale) needs
+# nothing beyond this list, checked by tests/gateway/test_gateway_video.py, provided it runs
+# single-threaded (gateway/video.py): a decoder or swscale thread would be a clone(), which kills.
 ALLOWED = (
     "read",
     "write",

@@ -4,6 +4,7 @@ objects, and before any server socket exists), then the gRPC server; serves unti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import sys
 from importlib import metadata
@@ -63,17 +64,27 @@ def check_sandbox(cfg: GatewayConfig, lim: LimitsConfig) -> int:
 
 
 def pillow_build() -> dict[str, str]:
+    """Which build of PIL is actually imported. Pillow and pillow-simd install the same `PIL`
+    package, so when both are installed the one whose version matches `PIL.__version__` owns the
+    loaded files (the other's metadata is stale)."""
     import PIL
     from PIL import features
 
-    name = "Pillow"
-    try:
-        metadata.distribution("pillow-simd")
-        name = "pillow-simd"
-    except metadata.PackageNotFoundError:
-        pass
+    installed = {}
+    for dist in ("pillow-simd", "Pillow"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            installed[dist] = metadata.version(dist)
+    loaded = [d for d, v in installed.items() if v == PIL.__version__]
+    name = loaded[0] if loaded else "unknown"
     turbo = "libjpeg-turbo" if features.check_feature("libjpeg_turbo") else "libjpeg"
-    return {"backend": name, "version": f"{PIL.__version__} ({turbo} {features.version('jpg')})"}
+    out = {
+        "backend": name,
+        "simd": str(name == "pillow-simd").lower(),
+        "version": f"{PIL.__version__} ({turbo} {features.version('jpg')})",
+    }
+    if len(installed) > 1:
+        out["also_installed"] = ", ".join(f"{d} {v}" for d, v in installed.items() if d != name)
+    return out
 
 
 def new_server(cfg: GatewayConfig) -> grpc.aio.Server:
@@ -130,7 +141,7 @@ async def run(cfg: GatewayConfig, lim: LimitsConfig, tenants: tuple[Tenant, ...]
     await router.start()
     quotas = Quotas(cfg.max_concurrent_per_tenant, cfg.rate_per_tenant, cfg.burst_per_tenant)
     server = new_server(cfg)
-    pipeline = Pipeline(lim, pool, router, cfg.default_profile, quotas)
+    pipeline = Pipeline(lim, pool, router, cfg.default_profile, quotas, cfg.video)
     servicer = GatewayServicer(auth, pipeline, lim, cfg.default_deadline_s)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     health = serving.add_health_and_reflection(server, [SERVICE])

@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from typing import Any
 
-from gateway import decode, sandbox
+from gateway import decode, sandbox, sniff, video
 from shared.errors import Reason, VisorError
 
 MAX_HEADER_BYTES = 64 * 1024
@@ -41,13 +41,22 @@ Job = Callable[[dict[str, Any], bytes, mmap.mmap], dict[str, Any]]
 
 
 def _probe(args: dict[str, Any], data: bytes, _: mmap.mmap) -> dict[str, Any]:
-    p = decode.probe(data, args["fmt"], args["max_pixels"], args["max_side"], args["max_frames"])
+    if args["fmt"] in sniff.VIDEO:
+        lim = video.VideoLimits.from_json(args["video"])
+        p = video.probe(data, args["fmt"], lim, args["max_pixels"], args["max_side"])
+    else:
+        p = decode.probe(
+            data, args["fmt"], args["max_pixels"], args["max_side"], args["max_frames"]
+        )
     return {"width": p.width, "height": p.height, "num_frames": p.num_frames}
 
 
 def _decode(args: dict[str, Any], data: bytes, out: mmap.mmap) -> dict[str, Any]:
     spec = decode.Spec.from_json(args)
-    done = decode.decode(data, spec)
+    if spec.fmt in sniff.VIDEO:
+        done = video.decode_video(data, spec, video.VideoLimits.from_json(args["video"]))
+    else:
+        done = decode.decode(data, spec)
     offset, shapes = 0, []
     for array in done.items:
         n = array.nbytes
@@ -144,6 +153,7 @@ def main(conn: Connection, args: WorkerArgs) -> None:
     os.close(fd)
     decode.init_worker(args.max_pixels)
     decode.warm()
+    video.warm()
     jobs = {**JOBS, **(TEST_JOBS if args.test_jobs else {})}
     json.loads(json.dumps({"warm": [1.5, "x"]}))
     io.BytesIO(b"").read()

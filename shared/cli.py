@@ -197,6 +197,13 @@ def _add_deploy_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     h.set_defaults(fn=_health)
 
 
+def _bench_gateway(args: argparse.Namespace) -> int:
+    from bench import gateway
+
+    logs.configure("bench", "warning")
+    return gateway.main(Path(args.model), args.repeats)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="visor", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -247,6 +254,11 @@ def parser() -> argparse.ArgumentParser:
     bc.add_argument("--repeats", type=int, default=10)
     bc.add_argument("--json", action="store_true", help="accepted for symmetry; output is JSON")
     bc.set_defaults(fn=_bench_cache)
+    bg = bs.add_parser("gateway", help="1080p/4K JPEG to a tile: sandboxed vs in-process vs Pillow")
+    bg.add_argument("--model", default="models/demo", help="read for the encoder's tile size")
+    bg.add_argument("--repeats", type=int, default=20)
+    bg.add_argument("--json", action="store_true", help="accepted for symmetry; output is JSON")
+    bg.set_defaults(fn=_bench_gateway)
     m = sub.add_parser("model", help="model tools").add_subparsers(dest="model_cmd", required=True)
     i = m.add_parser("init-demo", help="build the demo checkpoint (no download)")
     i.add_argument("--out", default="models/demo")

@@ -109,3 +109,54 @@ def jpeg_with_zip() -> bytes:
     with zipfile.ZipFile(buf, "w") as zf:
         zf.writestr("payload.txt", "not for the decoder")
     return jpeg() + buf.getvalue()
+
+
+def gif_declaring(width: int, height: int) -> bytes:
+    """A one-frame GIF whose logical screen claims `width` x `height` (tiny body)."""
+    header = (
+        b"GIF89a" + struct.pack("<HHBBB", width, height, 0x80, 0, 0) + b"\x00" * 3 + b"\xff" * 3
+    )
+    frame = b"\x2c" + struct.pack("<HHHHB", 0, 0, 1, 1, 0) + b"\x02\x02\x44\x01\x00"
+    return header + frame + b"\x3b"
+
+
+def gif_frame_outside_canvas() -> bytes:
+    """A 4x4 GIF whose second frame sits at (60000, 60000) with a 1000 x 1000 extent."""
+    header = b"GIF89a" + struct.pack("<HHBBB", 4, 4, 0x80, 0, 0) + b"\x00" * 3 + b"\xff" * 3
+    first = b"\x2c" + struct.pack("<HHHHB", 0, 0, 1, 1, 0) + b"\x02\x02\x44\x01\x00"
+    far = b"\x2c" + struct.pack("<HHHHB", 60000, 60000, 1000, 1000, 0) + b"\x02\x02\x44\x01\x00"
+    return header + first + far + b"\x3b"
+
+
+def png_broken_zlib() -> bytes:
+    """A PNG whose IDAT stream is garbage after a valid zlib header."""
+    ihdr = struct.pack(">IIBBBBB", 64, 64, 8, 2, 0, 0, 0)
+    idat = b"\x78\x9c" + bytes(range(256)) * 4
+    return (
+        b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")
+    )
+
+
+def png_chunk_past_the_file() -> bytes:
+    """A valid PNG with a tEXt chunk whose length field points 2 GiB past the end."""
+    data = png(8, 8)
+    bogus = struct.pack(">I", 0x7FFFFFF0) + b"tEXt" + b"Comment\x00x"
+    return data[:33] + bogus + data[33:]
+
+
+def animated(fmt: str, num_frames: int, size: int = 16) -> bytes:
+    """Distinct noise frames, so that no encoder merges any two of them."""
+    rng = np.random.default_rng(num_frames)
+    frames = [
+        Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8))
+        for _ in range(num_frames)
+    ]
+    buf = io.BytesIO()
+    frames[0].save(buf, fmt, save_all=True, append_images=frames[1:], duration=40)
+    return buf.getvalue()
+
+
+def other_format(fmt: str) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (1, 2, 3)).save(buf, fmt)
+    return buf.getvalue()

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.conftest import Stack
+from tests.conftest import CORPUS, OTHER_KEY, Stack, corpus_rows, need_corpus
 from tests.gateway import hostile
 from tests.helpers import generate, request
 
@@ -26,6 +26,18 @@ CASES = [
     ("empty-file", lambda: b"", "UNSUPPORTED_FORMAT"),
     ("jpeg-with-zip", hostile.jpeg_with_zip, ""),  # served: bytes after EOI are never read
     ("gif-3-frames", lambda: hostile.gif_with_frames(3), ""),
+    # The corpus's other classes, generated: canvas and frame-extent bombs, broken PNG streams,
+    # animations over the frame limit in every animated format, formats off the allow-list.
+    ("gif-declaring-65535x65535", lambda: hostile.gif_declaring(65535, 65535), "PIXEL_LIMIT"),
+    ("gif-frame-outside-canvas", hostile.gif_frame_outside_canvas, "PIXEL_LIMIT"),
+    ("png-broken-zlib", hostile.png_broken_zlib, "CORRUPT_MEDIA"),
+    ("png-chunk-past-the-file", hostile.png_chunk_past_the_file, "CORRUPT_MEDIA"),
+    ("apng-100-frames", lambda: hostile.animated("PNG", 100), "FRAME_LIMIT"),
+    ("webp-100-frames", lambda: hostile.animated("WEBP", 100), "FRAME_LIMIT"),
+    ("gif-100-frames", lambda: hostile.animated("GIF", 100), "FRAME_LIMIT"),
+    ("webp-animated-5", lambda: hostile.animated("WEBP", 5), ""),
+    ("tiff", lambda: hostile.other_format("TIFF"), "UNSUPPORTED_FORMAT"),
+    ("ico", lambda: hostile.other_format("ICO"), "UNSUPPORTED_FORMAT"),
 ]
 
 
@@ -80,6 +92,22 @@ def assert_workers_steady(stack: Stack, workers: int = 2) -> None:
             return
         assert time.monotonic() < deadline, kids
         time.sleep(0.2)
+
+
+def test_after_the_whole_corpus_the_gateway_serves_and_no_worker_is_left_over(
+    stack: Stack,
+) -> None:
+    need_corpus()
+    for row in corpus_rows():
+        # Tenant B: the feature cache is per tenant, so the request-path tests' first sight of
+        # these files (as the dev tenant) stays a miss.
+        media = ((CORPUS / row["file"]).read_bytes(),)
+        out = generate(stack.gateway, request(media=media), key=OTHER_KEY)
+        assert out.reason != "INTERNAL", row["file"]
+    fresh = hostile.png(30, 40 + os.getpid() % 50)
+    out = generate(stack.gateway, request(media=(fresh,)))
+    assert out.code == grpc.StatusCode.OK, (out.code, out.reason)
+    assert_workers_steady(stack)
 
 
 def test_after_hostile_inputs_the_gateway_serves_and_no_worker_is_left_over(

@@ -1,5 +1,6 @@
 """Redaction canaries: a core and a gateway at debug level, a tenant whose key, prompt, image
-bytes (and their base64), EXIF GPS and file name each carry a unique canary; no captured log line
+bytes (and their base64), EXIF GPS, file name, video metadata and a video's external URL each
+carry a unique canary; no captured log line
 of either service contains any of them, and a prompt cannot forge a log line.
 
 The same stack runs with `worker_max_jobs = 2`, so the requests also exercise recycling.
@@ -25,13 +26,14 @@ from PIL import Image
 from shared import procs
 from shared.hashing import key_sha256
 from tests.conftest import ROOT, Stack, free_port
+from tests.gateway import videos
 from tests.gateway.test_gateway_hostile import assert_workers_steady, gateway_children
 from tests.helpers import generate, request
 
 TAG = uuid.uuid4().hex[:10]
 CANARY = {
     name: f"CANARY{name.upper()}{TAG}"
-    for name in ("prompt", "key", "bytes", "gps", "filename", "badkey")
+    for name in ("prompt", "key", "bytes", "gps", "filename", "badkey", "video", "url")
 }
 
 
@@ -54,6 +56,22 @@ def _jpeg_with_gps(text: str) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (48, 32), (20, 30, 200)).save(buf, "JPEG", exif=exif.tobytes())
     return buf.getvalue()
+
+
+def _video_with_title(text: str) -> bytes:
+    import av
+
+    data = videos.video("h264-mp4", seconds=1.0)
+    out = io.BytesIO()
+    with av.open(io.BytesIO(data)) as src, av.open(out, "w", format="mp4") as dst:
+        dst.metadata["title"] = text
+        dst.metadata["comment"] = text
+        stream = dst.add_stream_from_template(src.streams.video[0])
+        for packet in src.demux(src.streams.video[0]):
+            if packet.dts is not None:
+                packet.stream = stream
+                dst.mux(packet)
+    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +111,13 @@ def test_no_canary_reaches_any_log_line(debug_stack: Stack, tmp_path: Path) -> N
     for media in ((png,), (jpeg,), (png, jpeg)):
         out = generate(debug_stack.gateway, request(prompt, media), key=CANARY["key"])
         assert out.code == grpc.StatusCode.OK, (out.code, out.reason, out.message)
+    clip = _video_with_title(CANARY["video"])
+    assert CANARY["video"].encode() in clip
+    out = generate(debug_stack.gateway, request(prompt, (clip,)), key=CANARY["key"])
+    assert out.code == grpc.StatusCode.OK, (out.code, out.reason, out.message)
+    elsewhere = videos.mp4_with_external_ref(f"http://{CANARY['url']}.invalid/clip.mp4")
+    out = generate(debug_stack.gateway, request(prompt, (elsewhere,)), key=CANARY["key"])
+    assert out.reason == "UNSUPPORTED_FORMAT" and CANARY["url"] not in out.message
     refused = generate(debug_stack.gateway, request(prompt, (png,)), key=CANARY["badkey"])
     assert refused.code == grpc.StatusCode.UNAUTHENTICATED
     named = tmp_path / f"{CANARY['filename']}.png"
@@ -100,7 +125,7 @@ def test_no_canary_reaches_any_log_line(debug_stack: Stack, tmp_path: Path) -> N
     ask = [sys.executable, "-m", "shared.cli", "ask", str(named), "--prompt", prompt]
     ask += ["--key", CANARY["key"], "--target", debug_stack.gateway, "--json"]
     subprocess.run(ask, check=True, capture_output=True, timeout=60, cwd=ROOT)
-    assert_workers_steady(debug_stack)  # 5 decode-bearing requests, each worker recycled
+    assert_workers_steady(debug_stack)  # 6 decode-bearing requests, each worker recycled
     assert workers_before - {pid for pid, _ in gateway_children(debug_stack.gateway_proc.pid)}
 
     procs.stop(debug_stack.gateway_proc)  # flushes every line before reading
