@@ -20,6 +20,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install $(PIP_QUIET) torch==2.13.0
 	@if $(PIP) install $(PIP_QUIET) "pillow-simd>=9.5"; then \
 	  $(PIP) install $(PIP_QUIET) -e '.[gateway,core,dev]'; \
+	  if $(PIP) show pillow >/dev/null 2>&1; then \
+	    echo "a dependency (matplotlib) pulled in plain Pillow over pillow-simd: putting pillow-simd back"; \
+	    $(PIP) uninstall $(PIP_QUIET) -y pillow && \
+	      $(PIP) install $(PIP_QUIET) --no-deps --force-reinstall "pillow-simd>=9.5"; \
+	  fi; \
 	else \
 	  echo "WARNING: pillow-simd could not be built; falling back to Pillow (slower resizing)." >&2; \
 	  $(PIP) install $(PIP_QUIET) Pillow "pyseccomp>=0.1.2" "av>=14" && $(PIP) install $(PIP_QUIET) -e '.[core,dev]'; \
