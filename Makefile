@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip
 STAMP := $(VENV)/.installed
-DEBIAN_DEV := libjpeg-dev zlib1g-dev libpng-dev libwebp-dev libtiff-dev libfreetype-dev libjpeg-turbo-progs
+DEBIAN_DEV := libjpeg-dev zlib1g-dev libpng-dev libwebp-dev libtiff-dev libfreetype-dev liblcms2-dev libjpeg-turbo-progs
 MODEL := models/demo
 PIP_QUIET := --quiet --disable-pip-version-check
 
