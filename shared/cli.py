@@ -18,15 +18,16 @@ from shared.config import ConfigError, LogConfig, build, environ, read_file
 
 
 def _core(args: argparse.Namespace) -> int:
-    from core.config import CacheConfig, CoreConfig
+    from core.config import CacheConfig, CoreConfig, SchedulerConfig
 
     data, env = read_file(args.config), environ()
     cfg = build(CoreConfig, "core", data, env)
     cache = build(CacheConfig, "cache", data, env)
+    sched = build(SchedulerConfig, "scheduler", data, env)
     logs.configure("core", _log_level(data, env))
     from core import server
 
-    asyncio.run(server.run(cfg, cache))
+    asyncio.run(server.run(cfg, cache, sched))
     return 0
 
 

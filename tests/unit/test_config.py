@@ -70,7 +70,7 @@ def test_core_refuses_a_public_plaintext_listen() -> None:
 
 
 def test_example_config_holds_every_key_with_its_default() -> None:
-    from core.config import CacheConfig
+    from core.config import CacheConfig, SchedulerConfig
     from shared.config import LogConfig
 
     path = Path(__file__).resolve().parents[2] / "deploy" / "visor.example.toml"
@@ -80,6 +80,7 @@ def test_example_config_holds_every_key_with_its_default() -> None:
         (LimitsConfig, "limits"),
         (CoreConfig, "core"),
         (CacheConfig, "cache"),
+        (SchedulerConfig, "scheduler"),
         (LogConfig, "log"),
     ):
         assert build(cls, name, data, {}) == cls(), name  # type: ignore[call-arg]
