@@ -77,6 +77,7 @@ SCHEDULER_POLICIES = ("token-budget", "request-count", "none")
 class SchedulerConfig:
     policy: str = "token-budget"  # token-budget | request-count | none
     max_batch_tokens: int = 2048  # per-step budget: prefill chunks + one per decoding sequence
+    max_prefill_chunk: int = 512  # one sequence's prefill tokens per step (chunked prefill)
     max_num_seqs: int = 32  # sequences running at once (token-budget)
     batch_size: int = 8  # requests per fixed batch (request-count)
     max_request_tokens: int = 8192  # visual + text + max_new_tokens of one request
@@ -91,8 +92,8 @@ class SchedulerConfig:
             raise ConfigError(f"[scheduler] policy must be one of {SCHEDULER_POLICIES}")
         if self.block_size < 16 or self.block_size % 16:
             raise ConfigError("[scheduler] block_size must be a positive multiple of 16")
-        if self.max_batch_tokens < 16:
-            raise ConfigError("[scheduler] max_batch_tokens must be >= 16")
+        if min(self.max_batch_tokens, self.max_prefill_chunk) < 16:
+            raise ConfigError("[scheduler] max_batch_tokens and max_prefill_chunk must be >= 16")
         if min(self.max_num_seqs, self.batch_size, self.max_waiting, self.kv_cache_mb) < 1:
             raise ConfigError(
                 "[scheduler] max_num_seqs, batch_size, max_waiting, kv_cache_mb must be >= 1"

@@ -16,6 +16,7 @@ blocks before the next step and encoding interleaves with generation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import threading
 import time
@@ -37,7 +38,7 @@ from core.model.tokenizer import ChatTokenizer
 from core.runner import ModelRunner
 from core.scheduler import Scheduler, SchedulerOutput
 from core.sequence import EngineFailure, Event, Finished, RequestStatus, Sequence
-from core.types import CoreInfo, Delta, InferRequest, Result
+from core.types import CoreInfo, Delta, InferRequest, Result, SamplingParams
 from shared import logs
 from shared.errors import Reason, VisorError
 
@@ -146,6 +147,7 @@ class Engine:
             sc.max_num_seqs,
             sc.batch_size,
             sc.chunked_prefill,
+            sc.max_prefill_chunk,
         )
         self.runner = ModelRunner(self.model, self.kv_manager, self.scheduler, self.eos_ids)
         metrics.KV_BLOCKS_TOTAL.set(num_blocks)
@@ -218,6 +220,26 @@ class Engine:
         of the features themselves. Prefix reuse is salted by `req.tenant`."""
         visual = [int(f.shape[0]) for f in features]
         ids = self.tokenizer.encode_chat(list(req.turns), visual)
+        async for out in self._generate(req, ids, features, timings, visual_before, content_keys):
+            yield out
+
+    def generate_ids(
+        self, ids: list[int], params: SamplingParams, tenant: str = "bench"
+    ) -> AsyncIterator[Delta | Result]:
+        """`generate` for a text-only prompt given as token ids (benchmarks, evaluation)."""
+        req = InferRequest(tenant, f"ids-{len(ids)}", (), params, (), "none")
+        return self._generate(req, ids, [], {}, None, None)
+
+    async def _generate(
+        self,
+        req: InferRequest,
+        ids: list[int],
+        features: list[np.ndarray],
+        timings: dict[str, float],
+        visual_before: int | None,
+        content_keys: list[bytes] | None,
+    ) -> AsyncIterator[Delta | Result]:
+        visual = [int(f.shape[0]) for f in features]
         self._check_budget(len(ids) + req.params.max_new_tokens)
         keys = content_keys or [hashlib.sha256(f.tobytes()).digest() for f in features]
         events: asyncio.Queue[Event] = asyncio.Queue()
@@ -348,10 +370,8 @@ def _sink(events: asyncio.Queue[Event]) -> Callable[[Event], None]:
     loop = asyncio.get_running_loop()
 
     def deliver(event: Event) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # the caller's loop is gone; its abort follows
             loop.call_soon_threadsafe(events.put_nowait, event)
-        except RuntimeError:
-            pass  # the caller's loop is gone; its abort follows
 
     return deliver
 
@@ -378,4 +398,3 @@ def _result(event: Finished, text_tokens: int, before: int | None, after: int) -
         finish_reason=event.finish_reason,
         timings_ms=event.timings_ms,
     )
-

@@ -63,7 +63,8 @@ class ModelRunner:
         return paged.forward(self.model, torch.cat(embeds), chunks, self.kv)
 
     def _embed_tokens(self, ids: list[int]) -> torch.Tensor:
-        return self.model.language_model.embed_tokens(torch.tensor(ids))
+        embeds: torch.Tensor = self.model.language_model.embed_tokens(torch.tensor(ids))
+        return embeds
 
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Samples the next token and streams it; ends the sequence on EOS, stop or length."""

@@ -53,6 +53,7 @@ class Scheduler:
         max_num_seqs: int,
         batch_size: int,
         chunked_prefill: bool,
+        max_prefill_chunk: int,
     ) -> None:
         self.kv = kv
         self.policy = policy
@@ -61,6 +62,7 @@ class Scheduler:
             policy, 1
         )
         self.chunked_prefill = chunked_prefill and policy == "token-budget"
+        self.max_prefill_chunk = max_prefill_chunk if self.chunked_prefill else sys.maxsize
         self.running: list[Sequence] = []
         self._preempted: deque[Sequence] = deque()  # served before any tenant queue
         self._waiting: dict[str, deque[Sequence]] = {}  # per tenant, FIFO
@@ -116,6 +118,7 @@ class Scheduler:
         boundary, or one token once the prompt is in (decode, or replay after preemption)."""
         if computed >= seq.num_prompt_tokens:
             return min(1, budget)
+        budget = min(budget, self.max_prefill_chunk)  # one long prompt leaves room for others
         remaining = seq.num_prompt_tokens - computed
         if remaining <= budget:
             return remaining

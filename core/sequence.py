@@ -84,10 +84,14 @@ class Sequence:
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if i else b""
             tokens = self.token_ids[i * block_size : (i + 1) * block_size]
-            self.block_hashes.append(hash_block(parent, tokens, self.spans, i * block_size, self.salt))
+            self.block_hashes.append(
+                hash_block(parent, tokens, self.spans, i * block_size, self.salt)
+            )
         return self.block_hashes[:num_blocks]
 
-    def embeds(self, start: int, num: int, embed: Callable[[list[int]], torch.Tensor]) -> torch.Tensor:
+    def embeds(
+        self, start: int, num: int, embed: Callable[[list[int]], torch.Tensor]
+    ) -> torch.Tensor:
         """Input embeddings of positions start..start+num (prompt rows, then output tokens)."""
         end = start + num
         parts = []

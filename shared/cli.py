@@ -156,6 +156,38 @@ def _bench_wire(args: argparse.Namespace) -> int:
     return wire.main(Path(args.model), args.tiles, args.repeats)
 
 
+def _bench_batching(args: argparse.Namespace) -> int:
+    from bench import batching
+
+    logs.configure("bench", "warning")
+    return batching.main(
+        Path(args.model), args.n, args.seed, args.threads, args.plot, quiet=args.json
+    )
+
+
+def _bench_compression(args: argparse.Namespace) -> int:
+    from bench import compression
+
+    logs.configure("bench", "warning")
+    return compression.main(Path(args.model), args.n, args.seed, args.threads, quiet=args.json)
+
+
+def _add_scheduler_benches(bs: Any) -> None:
+    for name, fn, text in (
+        ("batching", _bench_batching, "scheduler policies on a seeded mixed workload"),
+        ("compression", _bench_compression, "visual tokens, TTFT and req/s per profile"),
+    ):
+        p = bs.add_parser(name, help=text)
+        p.add_argument("--model", default="models/bench")
+        p.add_argument("--n", type=int, default=16, help="requests in the workload")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--threads", type=int, default=1, help="torch threads")
+        p.add_argument("--json", action="store_true", help="no progress bars; stdout is JSON")
+        if name == "batching":
+            p.add_argument("--plot", type=Path, help="write a PNG chart here")
+        p.set_defaults(fn=fn)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="visor", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -206,6 +238,7 @@ def parser() -> argparse.ArgumentParser:
     bc.add_argument("--repeats", type=int, default=10)
     bc.add_argument("--json", action="store_true", help="accepted for symmetry; output is JSON")
     bc.set_defaults(fn=_bench_cache)
+    _add_scheduler_benches(bs)
     m = sub.add_parser("model", help="model tools").add_subparsers(dest="model_cmd", required=True)
     i = m.add_parser("init-demo", help="build the demo checkpoint (no download)")
     i.add_argument("--out", default="models/demo")

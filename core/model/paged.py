@@ -70,7 +70,7 @@ def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     pad = (-rows) % TILE
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    out = torch.cat([F.linear(t, layer.weight, layer.bias) for t in x.split(TILE)])
+    out = torch.cat([F.linear(t, layer.weight, layer.bias) for t in torch.split(x, TILE)])
     return out[:rows]
 
 
@@ -156,7 +156,7 @@ def forward(
     rope = decoder.rotary(_positions(chunks))
     x = embeds
     for i, block in enumerate(decoder.layers):
-        x = _layer(block, x, rope, chunks, kv, i)
+        x = _layer(block, x, rope, chunks, kv, i)  # type: ignore[arg-type]
     ends, offset = [], 0
     for c in chunks:
         offset += c.num_tokens

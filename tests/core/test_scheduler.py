@@ -42,7 +42,9 @@ def _features(engine: Engine, tiles: int, seed: int) -> np.ndarray:
     return rng.normal(0, 0.5, (rows, engine.model.cfg.text.hidden_size)).astype(np.float32)
 
 
-def _job(engine: Engine, i: int, tenant: str = "t", image: int | None = None, tiles: int = 1) -> Job:
+def _job(
+    engine: Engine, i: int, tenant: str = "t", image: int | None = None, tiles: int = 1
+) -> Job:
     feats = [] if image is None else [_features(engine, tiles, image)]
     n = 6 + (i * 5) % 15
     req = InferRequest(
@@ -99,7 +101,7 @@ def reference(model_dir: Path) -> Iterator[tuple[list[str], Engine]]:
 
 
 BATCHED = {
-    "chunked+prefix": SchedulerConfig(max_batch_tokens=64),
+    "chunked+prefix": SchedulerConfig(max_batch_tokens=96, max_prefill_chunk=48),
     "whole-prefill, no prefix reuse": SchedulerConfig(chunked_prefill=False, prefix_caching=False),
     "preemption (tiny block pool)": SchedulerConfig(kv_cache_mb=1, max_batch_tokens=256),
     "request-count": SchedulerConfig(policy="request-count", batch_size=5),
@@ -168,9 +170,7 @@ def test_token_budget_is_refused_before_any_compute(model_dir: Path) -> None:
     engine = Engine(model_dir, "budget", scheduler=SchedulerConfig(max_request_tokens=300))
     try:
         job = _job(engine, 0, image=1, tiles=1)
-        big = dataclasses.replace(
-            job.req, params=SamplingParams(max_new_tokens=200), items=()
-        )
+        big = dataclasses.replace(job.req, params=SamplingParams(max_new_tokens=200), items=())
         with pytest.raises(VisorError) as err:
             _run_all(engine, [dataclasses.replace(job, req=big)])
         assert err.value.reason == Reason.TOKEN_BUDGET
