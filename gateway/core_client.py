@@ -107,6 +107,9 @@ class CoreFinal:
 
 
 def _rpc_error(exc: grpc.RpcError) -> VisorError:
+    err = from_rpc_error(exc)
+    if err.reason == Reason.OVERLOADED:
+        return err  # the core answered: its scheduler queue is full (not unreachable)
     if exc.code() == grpc.StatusCode.UNAVAILABLE:
         return VisorError(Reason.CORE_UNAVAILABLE, "no core is reachable")
     if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
