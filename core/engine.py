@@ -45,6 +45,10 @@ from shared.errors import Reason, VisorError
 PREPROCESS_VERSION = "pp1"
 T = TypeVar("T")
 log = logs.get("core.engine")
+_FAILURES = {
+    Reason.INTERNAL: "internal error in the core",
+    Reason.CORE_UNAVAILABLE: "the core is shutting down",
+}
 
 
 def num_tiles(rows: int, cols: int) -> int:
@@ -259,7 +263,7 @@ class Engine:
             while True:
                 event = await events.get()
                 if isinstance(event, EngineFailure):
-                    raise VisorError(Reason.INTERNAL, "internal error in the core")
+                    raise VisorError(event.reason, _FAILURES[event.reason])
                 if isinstance(event, Delta):
                     yield event
                     continue
@@ -306,7 +310,12 @@ class Engine:
 
     def _add(self, seq: Sequence, image: torch.Tensor | None) -> None:
         self._unqueue()
-        seq.prompt_embeds = self.runner.embed_prompt(seq.token_ids, image)
+        try:
+            seq.prompt_embeds = self.runner.embed_prompt(seq.token_ids, image)
+        except Exception as exc:
+            log.error("embed_failed", error_type=type(exc).__name__, where=logs.error_site(exc))
+            seq.sink(EngineFailure())
+            return
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         self._num_waiting = self.scheduler.num_waiting
@@ -319,8 +328,10 @@ class Engine:
     def _loop(self) -> None:
         while True:
             for task in self._inbox.take(wait=not self.scheduler.has_work()):
-                task()
+                task()  # run() tasks report their own errors; adds and aborts do not raise
             if self._inbox.closed:
+                for seq in self._seqs.values():  # shutdown: nobody waits forever
+                    seq.sink(EngineFailure(Reason.CORE_UNAVAILABLE))
                 return
             if self.scheduler.has_work():
                 self._step()

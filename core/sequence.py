@@ -12,6 +12,7 @@ import torch
 from core.generate import TextStream
 from core.kv_cache import ImageSpan, hash_block
 from core.types import Delta, SamplingParams
+from shared.errors import Reason
 
 
 class RequestStatus(enum.IntEnum):
@@ -28,7 +29,11 @@ class RequestStatus(enum.IntEnum):
 
 
 class EngineFailure(Exception):
-    """Sent to a request's stream when the model thread failed while running it."""
+    """Sent to a request's stream when the model thread failed while running it, or stopped."""
+
+    def __init__(self, reason: Reason = Reason.INTERNAL) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
