@@ -269,7 +269,7 @@ class Engine:
                     continue
                 timings.update(event.timings_ms)
                 finished = True
-                yield _result(event, len(ids) - sum(visual), visual_before, sum(visual))
+                yield _result(event, len(ids) - sum(visual), visual_before, sum(visual), timings)
                 return
         finally:
             metrics.ACTIVE_GENERATIONS.dec()
@@ -399,7 +399,9 @@ def _image_spans(
     return tuple(spans)
 
 
-def _result(event: Finished, text_tokens: int, before: int | None, after: int) -> Result:
+def _result(
+    event: Finished, text_tokens: int, before: int | None, after: int, timings: dict[str, float]
+) -> Result:
     return Result(
         text=event.text,
         text_tokens=text_tokens,
@@ -407,5 +409,5 @@ def _result(event: Finished, text_tokens: int, before: int | None, after: int) -
         visual_tokens_after=after,
         output_tokens=event.num_output_tokens,
         finish_reason=event.finish_reason,
-        timings_ms=event.timings_ms,
+        timings_ms=timings,  # the caller's stages, with queue, prefill and generate added
     )
