@@ -171,7 +171,7 @@ def main(model: Path, n: int, seed: int, threads: int, plot: Path | None, quiet:
         policies[policy], log = _run_policy(model, policy, specs, threads, quiet)
         if policy == "token-budget":
             steps = log
-    heavy_specs = mixed(max(4, n // 2), seed + 1, mean_gap_s=0.5, decode_heavy=True)
+    heavy_specs = mixed(n, seed + 1, mean_gap_s=0.5, decode_heavy=True)
     heavy = {
         p: _run_policy(model, p, heavy_specs, threads, quiet)[0] for p in ("token-budget", "none")
     }

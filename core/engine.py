@@ -224,8 +224,12 @@ class Engine:
         of the features themselves. Prefix reuse is salted by `req.tenant`."""
         visual = [int(f.shape[0]) for f in features]
         ids = self.tokenizer.encode_chat(list(req.turns), visual)
-        async for out in self._generate(req, ids, features, timings, visual_before, content_keys):
-            yield out
+        inner = self._generate(req, ids, features, timings, visual_before, content_keys)
+        try:
+            async for out in inner:
+                yield out
+        finally:
+            await inner.aclose()  # closing us must cancel at once, not when the GC gets to it
 
     def generate_ids(
         self, ids: list[int], params: SamplingParams, tenant: str = "bench"

@@ -1,8 +1,10 @@
 """The LLM scheduler: decides, each step, which sequences run how many tokens.
 
-`token-budget` (iteration-level batching): every running sequence gets its next prefill chunk or
-one decode token within `max_batch_tokens`; waiting requests are admitted into what is left, one
-tenant at a time in turn. `request-count` admits up to `batch_size` requests only when nothing is
+`token-budget` (iteration-level batching): every decoding sequence gets one token, then prefill
+chunks fill the rest of `max_batch_tokens`, shortest remaining prompt first (so a long video does
+not hold up a one-image question; a prefill passed over `STARVATION_STEPS` steps in a row goes
+first); waiting requests are admitted into what is left, tenants taking turns.
+`request-count` admits up to `batch_size` requests only when nothing is
 running and runs that batch to completion; `none` is the same with one request. When a sequence
 needs a block and none is free, the most recently admitted running sequence is preempted: its
 blocks go back to the pool and it waits at the front of the queue, to be recomputed (its prefix is
@@ -22,6 +24,7 @@ from core.model.paged import TILE
 from core.sequence import RequestStatus, Sequence
 
 POLICIES = ("token-budget", "request-count", "none")
+STARVATION_STEPS = 16  # a prefill passed over this many steps in a row jumps the queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,9 @@ class Scheduler:
         self.max_num_seqs = {"token-budget": max_num_seqs, "request-count": batch_size}.get(
             policy, 1
         )
+        self.shortest_first = (
+            policy == "token-budget"
+        )  # the baselines stay first come, first served
         self.chunked_prefill = chunked_prefill and policy == "token-budget"
         self.max_prefill_chunk = max_prefill_chunk if self.chunked_prefill else sys.maxsize
         self.running: list[Sequence] = []
@@ -87,6 +93,7 @@ class Scheduler:
         self._schedule_running(plan)
         if not plan.preempted and (self.policy == "token-budget" or not plan.chunks):
             self._admit(plan)
+        self._count_skips(plan)
         chunks = tuple(ScheduledChunk(s, n) for s, n in plan.chunks.items())
         return SchedulerOutput(chunks, sum(plan.chunks.values()), tuple(plan.preempted))
 
@@ -126,8 +133,24 @@ class Scheduler:
             return 0
         return max(0, (computed + budget) // TILE * TILE - computed)
 
+    def _prefill_order(self, seq: Sequence) -> tuple[bool, int, int]:
+        starved = seq.num_skipped_steps >= STARVATION_STEPS
+        return (not starved, seq.num_prompt_tokens - seq.num_computed_tokens, seq.seq_id)
+
+    def _count_skips(self, plan: _Plan) -> None:
+        waiting = [s for q in self._waiting.values() for s in q]
+        for seq in [*self.running, *self._preempted, *waiting]:
+            if seq in plan.chunks:
+                seq.num_skipped_steps = 0
+            elif seq.in_prefill:
+                seq.num_skipped_steps += 1
+
     def _schedule_running(self, plan: _Plan) -> None:
-        for seq in list(self.running):
+        decoding = [s for s in self.running if not s.in_prefill]
+        prefilling = [s for s in self.running if s.in_prefill]
+        if self.shortest_first:
+            prefilling.sort(key=self._prefill_order)
+        for seq in decoding + prefilling:
             if seq.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = self._num_new(seq, seq.num_computed_tokens, plan.token_budget)
@@ -189,14 +212,15 @@ class Scheduler:
     def _peek(self) -> Sequence:
         if self._preempted:
             return self._preempted[0]
-        return self._waiting[self._turns[0]][0]
+        queue = self._waiting[self._turns[0]]
+        return min(queue, key=self._prefill_order) if self.shortest_first else queue[0]
 
     def _pop(self, seq: Sequence) -> None:
         if self._preempted and self._preempted[0] is seq:
             self._preempted.popleft()
             return
         tenant = self._turns.popleft()
-        self._waiting[tenant].popleft()
+        self._waiting[tenant].remove(seq)
         if self._waiting[tenant]:
             self._turns.append(tenant)  # its next request waits for every other tenant's turn
         else:
