@@ -20,7 +20,7 @@ import contextlib
 import hashlib
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TypeVar
@@ -246,7 +246,7 @@ class Engine:
         timings: dict[str, float],
         visual_before: int | None,
         content_keys: list[bytes] | None,
-    ) -> AsyncIterator[Delta | Result]:
+    ) -> AsyncGenerator[Delta | Result, None]:
         visual = [int(f.shape[0]) for f in features]
         self._check_budget(len(ids) + req.params.max_new_tokens)
         keys = content_keys or [hashlib.sha256(f.tobytes()).digest() for f in features]
