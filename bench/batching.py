@@ -45,8 +45,10 @@ def _run_policy(
     feats = [features_for(engine, s) for s in specs]
     engine.step_log = []
     bar = _progress(len(specs), policy, quiet)
+    cpu0 = time.process_time()
     try:
         samples, makespan = asyncio.run(replay(engine, specs, feats, lambda: bar.update(1)))
+        cpu = time.process_time() - cpu0
     finally:
         bar.close()
         engine.close()
@@ -56,6 +58,8 @@ def _run_policy(
     summary = summarize(samples, makespan)
     summary["steps"] = len(steps)
     summary["preemptions"] = engine.scheduler.num_preemptions
+    # CPU seconds this process got per wall second: on a shared machine, how loaded the run was.
+    summary["cpu_share"] = round(cpu / makespan, 3)
     return summary, steps
 
 
