@@ -40,7 +40,7 @@ def main(model: Path, n: int, seed: int, threads: int, quiet: bool) -> int:
     # No animations: their frames would dominate the encode time of a CPU run.
     specs = [s for s in mixed(n, seed, mean_gap_s=1.0) if s.kind != "animation"]
     profiles: dict[str, Any] = {}
-    cfg = SchedulerConfig(max_batch_tokens=512, max_prefill_chunk=256)
+    cfg = SchedulerConfig(max_batch_tokens=256, max_prefill_chunk=256)
     engine = Engine(model, "bench", threads, scheduler=cfg)
     entries = _encode(engine, specs)
     for name, chosen in compression.PROFILES.items():

@@ -3,9 +3,9 @@
 `token-budget` (iteration-level batching): every decoding sequence gets one token, then prefill
 chunks fill the rest of `max_batch_tokens`, shortest remaining prompt first (so a long video does
 not hold up a one-image question; a prefill passed over `STARVATION_STEPS` steps in a row goes
-first); waiting requests are admitted into what is left, tenants taking turns.
-`request-count` admits up to `batch_size` requests only when nothing is
-running and runs that batch to completion; `none` is the same with one request. When a sequence
+first until its prompt is in); waiting requests are admitted into what is left, tenants taking
+turns. `request-count` admits up to `batch_size` requests only when nothing is running and runs
+that batch to completion; `none` is the same with one request. When a sequence
 needs a block and none is free, the most recently admitted running sequence is preempted: its
 blocks go back to the pool and it waits at the front of the queue, to be recomputed (its prefix is
 usually still in the cache, so recomputation is cheap).
@@ -24,7 +24,7 @@ from core.model.paged import TILE
 from core.sequence import RequestStatus, Sequence
 
 POLICIES = ("token-budget", "request-count", "none")
-STARVATION_STEPS = 16  # a prefill passed over this many steps in a row jumps the queue
+STARVATION_STEPS = 8  # a prefill passed over this many steps in a row goes first until done
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +141,8 @@ class Scheduler:
         waiting = [s for q in self._waiting.values() for s in q]
         for seq in [*self.running, *self._preempted, *waiting]:
             if seq in plan.chunks:
-                seq.num_skipped_steps = 0
+                if seq.num_skipped_steps < STARVATION_STEPS:
+                    seq.num_skipped_steps = 0  # once starved, it keeps first place to the end
             elif seq.in_prefill:
                 seq.num_skipped_steps += 1
 
