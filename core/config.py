@@ -1,4 +1,4 @@
-"""The core's configuration sections: `[core]` and `[cache]`."""
+"""The core's configuration sections: `[core]`, `[cache]` and `[scheduler]`."""
 
 from __future__ import annotations
 
@@ -78,3 +78,35 @@ class CacheConfig:
         if len(key) != 32:
             raise ConfigError("[cache] master_key_file must hold 32 bytes (or 64 hex digits)")
         return key
+
+
+SCHEDULER_POLICIES = ("token-budget", "request-count", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    policy: str = "token-budget"  # token-budget | request-count | none
+    max_batch_tokens: int = 2048  # per-step budget: prefill chunks + one per decoding sequence
+    max_prefill_chunk: int = 512  # one sequence's prefill tokens per step (chunked prefill)
+    max_num_seqs: int = 32  # sequences running at once (token-budget)
+    batch_size: int = 8  # requests per fixed batch (request-count)
+    max_request_tokens: int = 8192  # visual + text + max_new_tokens of one request
+    max_waiting: int = 256  # requests waiting for admission; past it -> OVERLOADED
+    block_size: int = 16  # tokens per KV block; a multiple of 16
+    kv_cache_mb: int = 1024  # memory of the paged KV cache
+    chunked_prefill: bool = True  # spread long prefills over several steps
+    prefix_caching: bool = True  # reuse KV blocks of identical prefixes (same tenant only)
+
+    def validate(self) -> None:
+        if self.policy not in SCHEDULER_POLICIES:
+            raise ConfigError(f"[scheduler] policy must be one of {SCHEDULER_POLICIES}")
+        if self.block_size < 16 or self.block_size % 16:
+            raise ConfigError("[scheduler] block_size must be a positive multiple of 16")
+        if min(self.max_batch_tokens, self.max_prefill_chunk) < 16:
+            raise ConfigError("[scheduler] max_batch_tokens and max_prefill_chunk must be >= 16")
+        if min(self.max_num_seqs, self.batch_size, self.max_waiting, self.kv_cache_mb) < 1:
+            raise ConfigError(
+                "[scheduler] max_num_seqs, batch_size, max_waiting, kv_cache_mb must be >= 1"
+            )
+        if self.max_request_tokens < 1:
+            raise ConfigError("[scheduler] max_request_tokens must be >= 1")

@@ -1,46 +1,88 @@
-"""The engine: owns the model and runs every torch call on one worker thread, so that the event
-loop never blocks and a cancelled request stops between two tokens."""
+"""The engine: owns the model, the scheduler and the paged KV cache, and runs every torch call on
+one model thread.
+
+```
+ event loop (servicer)                          model thread
+ generate() ── submit(add) ──▶ inbox ──▶ run tasks (adds, aborts, encoder jobs)
+            ◀── Delta / Finished ─────── step loop: schedule ▶ forward ▶ sample ▶ stream
+ close iterator ── submit(abort) ──▶       (blocks freed before the next step)
+```
+
+The event loop only enqueues work and receives events; between two steps the model thread runs
+whatever tasks arrived (new requests, aborts, encoder batches), so a cancelled request frees its
+blocks before the next step and encoding interleaves with generation.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 import torch
 
-from core import encoders, metrics
-from core.generate import TextStream, sample
+from core import compression, encoders, metrics
+from core.config import SchedulerConfig
+from core.generate import TextStream
+from core.kv_cache import ImageSpan, KVCacheManager
 from core.model import llava
-from core.model.text import KVCache
+from core.model.paged import PagedKV
 from core.model.tokenizer import ChatTokenizer
-from core.types import CoreInfo, Delta, InferRequest, Result
+from core.runner import ModelRunner
+from core.scheduler import Scheduler, SchedulerOutput
+from core.sequence import EngineFailure, Event, Finished, RequestStatus, Sequence
+from core.types import CoreInfo, Delta, InferRequest, Result, SamplingParams
+from shared import logs
 from shared.errors import Reason, VisorError
 
 PREPROCESS_VERSION = "pp1"
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class _Sequence:
-    """Generation state of one request, touched only on the model thread."""
-
-    cache: KVCache
-    stream: TextStream
-    gen: torch.Generator
-    logits: torch.Tensor
+log = logs.get("core.engine")
+_FAILURES = {
+    Reason.INTERNAL: "internal error in the core",
+    Reason.CORE_UNAVAILABLE: "the core is shutting down",
+}
 
 
 def num_tiles(rows: int, cols: int) -> int:
     """Tiles of a grid: every cell, plus a global thumbnail when there is more than one cell."""
     cells = rows * cols
     return cells + 1 if cells > 1 else cells
+
+
+class _Inbox:
+    """Tasks for the model thread, and the wake-up when work arrives."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._tasks: list[Callable[[], None]] = []
+        self.closed = False
+
+    def put(self, task: Callable[[], None]) -> None:
+        with self._cv:
+            if self.closed:
+                raise VisorError(Reason.CORE_UNAVAILABLE, "the engine is shutting down")
+            self._tasks.append(task)
+            self._cv.notify()
+
+    def take(self, wait: bool) -> list[Callable[[], None]]:
+        with self._cv:
+            while wait and not self._tasks and not self.closed:
+                self._cv.wait()
+            tasks, self._tasks = self._tasks, []
+            return tasks
+
+    def close(self) -> None:
+        with self._cv:
+            self.closed = True
+            self._cv.notify()
 
 
 class Engine:
@@ -51,6 +93,7 @@ class Engine:
         num_threads: int = 0,
         encoder: str = "torch",
         artifacts: Path | None = None,
+        scheduler: SchedulerConfig | None = None,
     ) -> None:
         if not (model_dir / "config.json").exists():
             raise FileNotFoundError(
@@ -64,7 +107,6 @@ class Engine:
         self.tokenizer = ChatTokenizer(model_dir, cfg.image_token_id)
         eos = self.tokenizer.tok.token_to_id(self.tokenizer.eos_token)
         self.eos_ids = set(cfg.text.eos_token_id) | ({eos} if eos is not None else set())
-        self.max_request_tokens = cfg.text.max_position_embeddings
         self.info = CoreInfo(
             core_id=core_id,
             model_id=model_dir.resolve().name,
@@ -76,19 +118,61 @@ class Engine:
             image_mean=cfg.image_mean,
             image_std=cfg.image_std,
         )
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="visor-model")
+        self._build_scheduler(scheduler or SchedulerConfig())
+        self._inbox = _Inbox()
+        self._seqs: dict[int, Sequence] = {}  # model thread only
+        self._next_id = 0
+        self._queued = 0  # submitted, not yet in the scheduler (guarded by _lock)
+        self._prefix_seen = (0, 0)  # prefix counters already exported
+        self._num_waiting = 0  # the scheduler's queue after the last step (model thread writes)
+        self._lock = threading.Lock()
+        # (time, tokens, sequences) per step, for benchmarks; None = not recorded
+        self.step_log: list[tuple[float, int, int]] | None = None
+        self._thread = threading.Thread(target=self._loop, name="visor-model", daemon=True)
+        self._thread.start()
         folder = artifacts or model_dir / ".visor"
         self.encoder = encoders.build(encoder, self.model, folder.expanduser(), num_threads)
 
-    async def run(self, fn: Callable[..., T], *args: object) -> T:
-        """Runs `fn` on the model thread (torch work never runs on the event loop)."""
-        return await self._run(fn, *args)
+    def _build_scheduler(self, sc: SchedulerConfig) -> None:
+        text = self.model.cfg.text
+        per_block = PagedKV.bytes_per_block(
+            text.num_layers, sc.block_size, text.num_kv_heads, text.head_dim
+        )
+        num_blocks = max(1, (sc.kv_cache_mb << 20) // per_block)
+        self.max_request_tokens = min(
+            sc.max_request_tokens, text.max_position_embeddings, num_blocks * sc.block_size
+        )
+        self.max_waiting = sc.max_waiting
+        self.kv_manager = KVCacheManager(num_blocks, sc.block_size, sc.prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_manager,
+            sc.policy,
+            sc.max_batch_tokens,
+            sc.max_num_seqs,
+            sc.batch_size,
+            sc.chunked_prefill,
+            sc.max_prefill_chunk,
+        )
+        self.runner = ModelRunner(self.model, self.kv_manager, self.scheduler, self.eos_ids)
+        metrics.KV_BLOCKS_TOTAL.set(num_blocks)
 
-    async def _run(self, fn: Callable[..., T], *args: object) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """Runs `fn` on the model thread between two steps (torch never runs on the event loop)."""
+        done: Future[T] = Future()
+
+        def task() -> None:
+            if done.set_running_or_notify_cancel():
+                try:
+                    done.set_result(fn(*args))
+                except BaseException as exc:
+                    done.set_exception(exc)
+
+        self._inbox.put(task)
+        return await asyncio.wrap_future(done)
 
     def check_request(self, req: InferRequest) -> None:
-        """Refuses items whose declared geometry is not what this encoder takes."""
+        """Refuses, before any compute: items whose declared geometry is not what this encoder
+        takes, requests that could never fit (TOKEN_BUDGET) and arrivals past a full queue."""
         size = self.info.image_size
         for item in req.items:
             tiles = num_tiles(item.tile_rows, item.tile_cols)
@@ -103,6 +187,28 @@ class Engine:
                 )
         if sum(t.num_images for t in req.turns) != len(req.items):
             raise VisorError(Reason.INVALID_REQUEST, "turns show a different number of items")
+        keep = 1.0
+        for step in compression.profile(req.profile).steps:
+            keep = min(keep, step.keep)
+        per_tile = max(1, int(self.info.tokens_per_tile * keep))
+        visual = [num_tiles(i.tile_rows, i.tile_cols) * per_tile for i in req.items]
+        ids = self.tokenizer.encode_chat(list(req.turns), visual)
+        self._check_budget(len(ids) + req.params.max_new_tokens)
+        self._check_queue()
+
+    def _check_budget(self, total: int) -> None:
+        if total > self.max_request_tokens:
+            raise VisorError(
+                Reason.TOKEN_BUDGET,
+                f"request needs more than the {self.max_request_tokens} tokens "
+                "(visual + text + max_new_tokens) one request may hold",
+            )
+
+    def _check_queue(self) -> None:
+        if self._queued + self._num_waiting >= self.max_waiting:
+            raise VisorError(
+                Reason.OVERLOADED, f"the scheduler queue is full ({self.max_waiting} waiting)"
+            )
 
     async def generate(
         self,
@@ -110,90 +216,202 @@ class Engine:
         features: list[np.ndarray],
         timings: dict[str, float],
         visual_before: int | None = None,
+        content_keys: list[bytes] | None = None,
     ) -> AsyncIterator[Delta | Result]:
-        """Streams deltas, then one Result. Closing the iterator early cancels the generation."""
+        """Streams deltas, then one Result. Closing the iterator early cancels the generation.
+
+        `content_keys` name each item's features (for prefix reuse); by default they are hashes
+        of the features themselves. Prefix reuse is salted by `req.tenant`."""
         visual = [int(f.shape[0]) for f in features]
         ids = self.tokenizer.encode_chat(list(req.turns), visual)
-        params = req.params
-        if len(ids) + params.max_new_tokens > self.max_request_tokens:
-            raise VisorError(
-                Reason.TOKEN_BUDGET,
-                f"request needs more than the {self.max_request_tokens} tokens "
-                "one sequence may hold",
-            )
-        seed = params.seed or int.from_bytes(hashlib.sha256(req.request_id.encode()).digest()[:8])
-        queued = time.perf_counter()
+        inner = self._generate(req, ids, features, timings, visual_before, content_keys)
+        try:
+            async for out in inner:
+                yield out
+        finally:
+            await inner.aclose()  # closing us must cancel at once, not when the GC gets to it
+
+    def generate_ids(
+        self, ids: list[int], params: SamplingParams, tenant: str = "bench"
+    ) -> AsyncIterator[Delta | Result]:
+        """`generate` for a text-only prompt given as token ids (benchmarks, evaluation)."""
+        req = InferRequest(tenant, f"ids-{len(ids)}", (), params, (), "none")
+        return self._generate(req, ids, [], {}, None, None)
+
+    async def _generate(
+        self,
+        req: InferRequest,
+        ids: list[int],
+        features: list[np.ndarray],
+        timings: dict[str, float],
+        visual_before: int | None,
+        content_keys: list[bytes] | None,
+    ) -> AsyncGenerator[Delta | Result, None]:
+        visual = [int(f.shape[0]) for f in features]
+        self._check_budget(len(ids) + req.params.max_new_tokens)
+        keys = content_keys or [hashlib.sha256(f.tobytes()).digest() for f in features]
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        seq = self._new_sequence(req, ids, visual, keys, _sink(events))
+        image = torch.from_numpy(np.concatenate(features)).float() if features else None
+        with self._lock:
+            self._check_queue()
+            self._queued += 1
+        try:
+            self._inbox.put(lambda: self._add(seq, image))
+        except VisorError:
+            self._unqueue()
+            raise
         metrics.ACTIVE_GENERATIONS.inc()
         finished = False
         try:
-            seq, prefill_ms, started = await self._run(
-                self._prefill, ids, features, seed, params.stop
-            )
-            timings["queue"] = (started - queued) * 1000
-            timings["prefill"] = prefill_ms
-            t0 = time.perf_counter()
-            reason = "length"
-            produced = 0
-            while produced < params.max_new_tokens:
-                token = sample(
-                    self._masked(seq.logits, produced, params.min_new_tokens), params, seq.gen
-                )
-                produced += 1
-                metrics.GENERATED_TOKENS.inc()
-                if token in self.eos_ids:
-                    reason = "stop"
-                    break
-                delta = seq.stream.push(token)
-                if seq.stream.stopped:
-                    reason = "stop"
-                    yield Delta(delta, 1)
-                    break
-                yield Delta(delta, 1)
-                if produced < params.max_new_tokens:
-                    seq.logits = await self._run(self._step, seq, token)
-            tail = seq.stream.flush()
-            if tail:
-                yield Delta(tail, 0)
-            timings["generate"] = (time.perf_counter() - t0) * 1000
-            finished = True
-            yield Result(
-                text=seq.stream.text,
-                text_tokens=len(ids) - sum(visual),
-                visual_tokens_before=sum(visual) if visual_before is None else visual_before,
-                visual_tokens_after=sum(visual),
-                output_tokens=produced,
-                finish_reason=reason,
-                timings_ms=timings,
-            )
+            while True:
+                event = await events.get()
+                if isinstance(event, EngineFailure):
+                    raise VisorError(event.reason, _FAILURES[event.reason])
+                if isinstance(event, Delta):
+                    yield event
+                    continue
+                timings.update(event.timings_ms)
+                finished = True
+                yield _result(event, len(ids) - sum(visual), visual_before, sum(visual), timings)
+                return
         finally:
             metrics.ACTIVE_GENERATIONS.dec()
             if not finished:
                 metrics.CANCELLED_GENERATIONS.inc()
+                self._inbox.put(lambda: self._abort(seq.seq_id))
 
-    def _masked(self, logits: torch.Tensor, produced: int, min_new: int) -> torch.Tensor:
-        if produced >= min_new:
-            return logits
-        masked = logits.clone()
-        masked[list(self.eos_ids)] = float("-inf")
-        return masked
+    def _new_sequence(
+        self,
+        req: InferRequest,
+        ids: list[int],
+        visual: list[int],
+        keys: list[bytes],
+        sink: Callable[[Event], None],
+    ) -> Sequence:
+        params = req.params
+        seed = params.seed or int.from_bytes(hashlib.sha256(req.request_id.encode()).digest()[:8])
+        with self._lock:
+            seq_id, self._next_id = self._next_id, self._next_id + 1
+        return Sequence(
+            seq_id=seq_id,
+            tenant=req.tenant,
+            salt=hashlib.sha256(b"tenant:" + req.tenant.encode()).digest(),
+            token_ids=list(ids),
+            num_prompt_tokens=len(ids),
+            prompt_embeds=torch.empty(0),
+            spans=_image_spans(ids, self.model.cfg.image_token_id, visual, keys),
+            params=params,
+            stream=TextStream(self.tokenizer.decode, params.stop),
+            gen=torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF),
+            sink=sink,
+            arrival=time.perf_counter(),
+        )
 
-    @torch.inference_mode()
-    def _prefill(
-        self, ids: list[int], features: list[np.ndarray], seed: int, stop: tuple[str, ...]
-    ) -> tuple[_Sequence, float, float]:
-        started = time.perf_counter()
-        image = torch.from_numpy(np.concatenate(features)).float() if features else None
-        embeds = self.model.embed(torch.tensor(ids), image)
-        cache = self.model.new_cache()
-        logits = self.model.forward_tokens(embeds, cache)
-        gen = torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
-        seq = _Sequence(cache, TextStream(self.tokenizer.decode, stop), gen, logits)
-        return seq, (time.perf_counter() - started) * 1000, started
+    def _unqueue(self) -> None:
+        with self._lock:
+            self._queued -= 1
 
-    @torch.inference_mode()
-    def _step(self, seq: _Sequence, token: int) -> torch.Tensor:
-        embeds = self.model.language_model.embed_tokens(torch.tensor([token]))
-        return self.model.forward_tokens(embeds, seq.cache)
+    def _add(self, seq: Sequence, image: torch.Tensor | None) -> None:
+        self._unqueue()
+        try:
+            seq.prompt_embeds = self.runner.embed_prompt(seq.token_ids, image)
+        except Exception as exc:
+            log.error("embed_failed", error_type=type(exc).__name__, where=logs.error_site(exc))
+            seq.sink(EngineFailure())
+            return
+        self._seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        self._num_waiting = self.scheduler.num_waiting
+
+    def _abort(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None and not seq.status.finished:
+            self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+
+    def _loop(self) -> None:
+        while True:
+            for task in self._inbox.take(wait=not self.scheduler.has_work()):
+                task()  # run() tasks report their own errors; adds and aborts do not raise
+            if self._inbox.closed:
+                for seq in self._seqs.values():  # shutdown: nobody waits forever
+                    seq.sink(EngineFailure(Reason.CORE_UNAVAILABLE))
+                return
+            if self.scheduler.has_work():
+                self._step()
+
+    def _step(self) -> None:
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            time.sleep(0.001)  # nothing fits this instant (cannot last: nothing is running)
+            return
+        t0 = time.perf_counter()
+        try:
+            self.runner.step(out)
+        except Exception as exc:  # a model failure ends the requests it touched, not the thread
+            log.error("step_failed", error_type=type(exc).__name__, where=logs.error_site(exc))
+            for chunk in out.chunks:
+                if not chunk.seq.status.finished:
+                    self.scheduler.finish(chunk.seq, RequestStatus.FINISHED_ABORTED)
+                    chunk.seq.sink(EngineFailure())
+        for seq in [s for s in self._seqs.values() if s.status.finished]:
+            del self._seqs[seq.seq_id]
+        self._num_waiting = self.scheduler.num_waiting
+        self._record(out, time.perf_counter() - t0)
+
+    def _record(self, out: SchedulerOutput, seconds: float) -> None:
+        kv = self.kv_manager
+        metrics.STEP_SECONDS.observe(seconds)
+        metrics.TOKENS_PER_STEP.observe(out.num_batched_tokens)
+        metrics.QUEUE_DEPTH.set(self._num_waiting)
+        metrics.RUNNING_SEQS.set(len(self.scheduler.running))
+        metrics.KV_BLOCKS_USED.set(kv.num_blocks - kv.num_free_blocks)
+        metrics.PREEMPTIONS.inc(len(out.preempted))
+        queried, hit = self._prefix_seen
+        metrics.PREFIX_QUERIED_TOKENS.inc(kv.num_queried_tokens - queried)
+        metrics.PREFIX_HIT_TOKENS.inc(kv.num_hit_tokens - hit)
+        self._prefix_seen = (kv.num_queried_tokens, kv.num_hit_tokens)
+        if kv.num_queried_tokens:
+            metrics.PREFIX_HIT_RATE.set(kv.num_hit_tokens / kv.num_queried_tokens)
+        if self.step_log is not None:
+            self.step_log.append((time.perf_counter(), out.num_batched_tokens, len(out.chunks)))
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._inbox.close()
+        self._thread.join(timeout=30)
+
+
+def _sink(events: asyncio.Queue[Event]) -> Callable[[Event], None]:
+    loop = asyncio.get_running_loop()
+
+    def deliver(event: Event) -> None:
+        with contextlib.suppress(RuntimeError):  # the caller's loop is gone; its abort follows
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+    return deliver
+
+
+def _image_spans(
+    ids: list[int], image_id: int, visual: list[int], keys: list[bytes]
+) -> tuple[ImageSpan, ...]:
+    spans, pos = [], 0
+    for count, key in zip(visual, keys, strict=True):
+        while ids[pos] != image_id:
+            pos += 1
+        spans.append(ImageSpan(pos, pos + count, key))
+        pos += count
+    return tuple(spans)
+
+
+def _result(
+    event: Finished, text_tokens: int, before: int | None, after: int, timings: dict[str, float]
+) -> Result:
+    return Result(
+        text=event.text,
+        text_tokens=text_tokens,
+        visual_tokens_before=after if before is None else before,
+        visual_tokens_after=after,
+        output_tokens=event.num_output_tokens,
+        finish_reason=event.finish_reason,
+        timings_ms=timings,  # the caller's stages, with queue, prefill and generate added
+    )

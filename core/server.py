@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from core.cache import FeatureCache, tune_malloc
-from core.config import CacheConfig, CoreConfig
+from core.config import CacheConfig, CoreConfig, SchedulerConfig
 from core.engine import Engine
 from core.features import FeatureService
 from core.servicer import CoreServicer
@@ -16,12 +16,12 @@ from shared.proto import core_pb2, core_pb2_grpc
 SERVICE = core_pb2.DESCRIPTOR.services_by_name["Core"].full_name
 
 
-async def run(cfg: CoreConfig, cache: CacheConfig) -> None:
+async def run(cfg: CoreConfig, cache: CacheConfig, sched: SchedulerConfig) -> None:
     log = logs.get("core")
     tune_malloc()
     artifacts = Path(cfg.artifacts_dir).expanduser()
     engine = Engine(
-        Path(cfg.model), cfg.resolved_core_id(), cfg.num_threads, cfg.encoder, artifacts
+        Path(cfg.model), cfg.resolved_core_id(), cfg.num_threads, cfg.encoder, artifacts, sched
     )
     queue = VisionQueue(
         engine.encoder.encode, engine.run, cfg.encode_batch_tiles, cfg.encode_max_wait_ms / 1000

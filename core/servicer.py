@@ -134,7 +134,10 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
             features = await self.engine.run(_compress_all, req, full, chosen)
             timings["compress"] = (time.perf_counter() - t0) * 1000
         before = sum(e.features.shape[0] for e in full)
-        async for out in self.engine.generate(req, features, timings, before):
+        # Prefix reuse names each item's tokens by its feature-cache key and the profile that
+        # shaped them; the engine salts block hashes with the tenant as well.
+        content = [k.encode() + b"\x1f" + chosen.name.encode() for k in keys]
+        async for out in self.engine.generate(req, features, timings, before, content):
             if isinstance(out, Delta):
                 yield core_pb2.CoreEvent(
                     delta=core_pb2.CoreDelta(text=out.text, num_tokens=out.num_tokens)

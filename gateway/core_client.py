@@ -123,6 +123,9 @@ class CoreUnreachable(VisorError):
 
 
 def _rpc_error(exc: grpc.RpcError) -> VisorError:
+    err = from_rpc_error(exc)
+    if err.reason == Reason.OVERLOADED:
+        return err  # the core answered: its scheduler queue is full (not unreachable)
     if exc.code() == grpc.StatusCode.UNAVAILABLE:
         err = from_rpc_error(exc)
         # A refusal the core chose (e.g. OVERLOADED) keeps its reason; only transport failures

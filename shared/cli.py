@@ -18,15 +18,16 @@ from shared.config import ConfigError, LogConfig, build, environ, read_file
 
 
 def _core(args: argparse.Namespace) -> int:
-    from core.config import CacheConfig, CoreConfig
+    from core.config import CacheConfig, CoreConfig, SchedulerConfig
 
     data, env = read_file(args.config), environ()
     cfg = build(CoreConfig, "core", data, env)
     cache = build(CacheConfig, "cache", data, env)
+    sched = build(SchedulerConfig, "scheduler", data, env)
     logs.configure("core", _log_level(data, env))
     from core import server
 
-    asyncio.run(server.run(cfg, cache))
+    asyncio.run(server.run(cfg, cache, sched))
     return 0
 
 
@@ -204,6 +205,38 @@ def _bench_gateway(args: argparse.Namespace) -> int:
     return gateway.main(Path(args.model), args.repeats)
 
 
+def _bench_batching(args: argparse.Namespace) -> int:
+    from bench import batching
+
+    logs.configure("bench", "warning")
+    return batching.main(
+        Path(args.model), args.n, args.seed, args.threads, args.plot, quiet=args.json
+    )
+
+
+def _bench_compression(args: argparse.Namespace) -> int:
+    from bench import compression
+
+    logs.configure("bench", "warning")
+    return compression.main(Path(args.model), args.n, args.seed, args.threads, quiet=args.json)
+
+
+def _add_scheduler_benches(bs: Any) -> None:
+    for name, fn, text in (
+        ("batching", _bench_batching, "scheduler policies on a seeded mixed workload"),
+        ("compression", _bench_compression, "visual tokens, TTFT and req/s per profile"),
+    ):
+        p = bs.add_parser(name, help=text)
+        p.add_argument("--model", default="models/bench")
+        p.add_argument("--n", type=int, default=16, help="requests in the workload")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--threads", type=int, default=1, help="torch threads")
+        p.add_argument("--json", action="store_true", help="no progress bars; stdout is JSON")
+        if name == "batching":
+            p.add_argument("--plot", type=Path, help="write a PNG chart here")
+        p.set_defaults(fn=fn)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="visor", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -259,6 +292,7 @@ def parser() -> argparse.ArgumentParser:
     bg.add_argument("--repeats", type=int, default=20)
     bg.add_argument("--json", action="store_true", help="accepted for symmetry; output is JSON")
     bg.set_defaults(fn=_bench_gateway)
+    _add_scheduler_benches(bs)
     m = sub.add_parser("model", help="model tools").add_subparsers(dest="model_cmd", required=True)
     i = m.add_parser("init-demo", help="build the demo checkpoint (no download)")
     i.add_argument("--out", default="models/demo")

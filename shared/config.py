@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 # Every section any visor service reads; a section outside this list is a typo.
-KNOWN_SECTIONS = frozenset({"gateway", "limits", "core", "cache", "log", "tenants"})
+KNOWN_SECTIONS = frozenset({"gateway", "limits", "core", "cache", "scheduler", "log", "tenants"})
 ENV_PREFIX = "VISOR_"
 
 

@@ -47,6 +47,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "vocab_size": 512,
     },
+    # Benchmark size: a ViT-B/14 tower at 336 px (576 tokens per tile) and a 12-layer, hidden-768
+    # decoder, so prefill and decode (not Python) dominate while a benchmark fits in minutes.
+    "bench": {
+        "vision": {
+            "hidden_size": 768,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "image_size": 336,
+            "patch_size": 14,
+        },
+        "text": {
+            "hidden_size": 768,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 4,
+        },
+        "vocab_size": 2048,
+    },
 }
 _WORDS = [
     "a",

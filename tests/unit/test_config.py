@@ -79,7 +79,7 @@ def test_core_listens_publicly_only_with_mtls() -> None:
 
 
 def test_example_config_holds_every_key_with_its_default() -> None:
-    from core.config import CacheConfig
+    from core.config import CacheConfig, SchedulerConfig
     from shared.config import LogConfig
 
     path = Path(__file__).resolve().parents[2] / "deploy" / "visor.example.toml"
@@ -89,6 +89,7 @@ def test_example_config_holds_every_key_with_its_default() -> None:
         (LimitsConfig, "limits"),
         (CoreConfig, "core"),
         (CacheConfig, "cache"),
+        (SchedulerConfig, "scheduler"),
         (LogConfig, "log"),
     ):
         assert build(cls, name, data, {}) == cls(), name  # type: ignore[call-arg]

@@ -1,0 +1,214 @@
+"""`visor bench batching`: the scheduler policies on one seeded mixed workload, in one run.
+
+Each policy gets a fresh in-process engine on the same checkpoint and replays the same arrivals.
+Also: a decode-heavy variant (token-budget vs none), a text-only run against transformers' own
+continuous batching (`generate_batch`), and the prefix/feature-cache cases from `bench.reuse`.
+Prints one JSON object; `--plot FILE` writes a PNG (throughput and p99 per policy, tokens per step
+over time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench import reuse
+from bench.workload import Spec, features_for, mixed, replay, summarize
+from core.config import SchedulerConfig
+from core.engine import Engine
+
+POLICIES = ("token-budget", "request-count", "none")
+
+
+def _config(policy: str) -> SchedulerConfig:
+    # On this CPU a 256-token step takes ~0.8 s and every decoding sequence waits for it, so the
+    # budget is small; prefill throughput per token is the same for 64..2048-token chunks.
+    return SchedulerConfig(policy=policy, max_batch_tokens=256, max_prefill_chunk=256)
+
+
+def _progress(total: int, label: str, quiet: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=label, disable=quiet or not sys.stderr.isatty(), leave=False)
+
+
+def _run_policy(
+    model: Path, policy: str, specs: list[Spec], threads: int, quiet: bool
+) -> tuple[dict[str, Any], list[tuple[float, int, int]]]:
+    engine = Engine(model, "bench", threads, scheduler=_config(policy))
+    feats = [features_for(engine, s) for s in specs]
+    engine.step_log = []
+    bar = _progress(len(specs), policy, quiet)
+    cpu0 = time.process_time()
+    try:
+        samples, makespan = asyncio.run(replay(engine, specs, feats, lambda: bar.update(1)))
+        cpu = time.process_time() - cpu0
+    finally:
+        bar.close()
+        engine.close()
+    log = engine.step_log
+    t0 = log[0][0] if log else 0.0
+    steps = [(t - t0, tokens, seqs) for t, tokens, seqs in log]
+    summary = summarize(samples, makespan)
+    summary["steps"] = len(steps)
+    summary["preemptions"] = engine.scheduler.num_preemptions
+    # CPU seconds this process got per wall second: on a shared machine, how loaded the run was.
+    summary["cpu_share"] = round(cpu / makespan, 3)
+    return summary, steps
+
+
+def _compare(policies: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    tb, rc, none = (policies[p] for p in POLICIES)
+    return {
+        "throughput_vs_request_count": round(tb["req_per_s"] / rc["req_per_s"], 3),
+        "throughput_vs_none": round(tb["req_per_s"] / none["req_per_s"], 3),
+        "p99_latency_vs_request_count": round(tb["latency_p99_s"] / rc["latency_p99_s"], 3),
+        "short_ttft_p50_vs_request_count": round(
+            tb["ttft_short_p50_s"] / rc["ttft_short_p50_s"], 3
+        ),
+        "targets": {
+            "throughput_vs_both": ">= 1.0",
+            "p99_latency_vs_request_count": "<= 0.7",
+            "short_ttft_p50_vs_request_count": "<= 0.5",
+        },
+    }
+
+
+def _text_only(model: Path, n: int, threads: int) -> dict[str, Any]:
+    """Same prompts (random token ids, 64 new tokens each) through our engine and through
+    transformers' `generate_batch` on the decoder of the same checkpoint."""
+    try:
+        import transformers
+    except ImportError:
+        return {"skipped": "transformers is not installed"}
+    if not hasattr(transformers.GenerationMixin, "generate_batch"):
+        return {"skipped": f"transformers {transformers.__version__} has no generate_batch"}
+    rng = np.random.default_rng(7)
+    engine = Engine(model, "bench", threads, scheduler=_config("token-budget"))
+    vocab = engine.model.cfg.text.vocab_size
+    prompts = [
+        [int(t) for t in rng.integers(5, vocab, int(rng.integers(32, 256)))] for _ in range(n)
+    ]
+    new = 64
+    ours = asyncio.run(_ours_text(engine, prompts, new))
+    engine.close()
+    try:
+        theirs = _theirs_text(model, prompts, new)
+    except Exception as exc:  # report, do not hide, why the reference could not run
+        return {"ours_output_tok_per_s": ours, "skipped": f"generate_batch failed: {exc!r}"[:300]}
+    return {
+        "requests": n,
+        "new_tokens": new,
+        "ours_output_tok_per_s": ours,
+        "transformers_generate_batch_output_tok_per_s": theirs,
+        "ratio": round(ours / theirs, 3),
+        "target": ">= 1.0",
+    }
+
+
+async def _ours_text(engine: Engine, prompts: list[list[int]], new: int) -> float:
+    from core.types import Result, SamplingParams
+
+    async def one(ids: list[int]) -> int:
+        stream = engine.generate_ids(ids, SamplingParams(new, min_new_tokens=new))
+        async for out in stream:
+            if isinstance(out, Result):
+                return out.output_tokens
+        return 0
+
+    t0 = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(p) for p in prompts)))
+    return round(tokens / (time.perf_counter() - t0), 3)
+
+
+def _theirs_text(model: Path, prompts: list[list[int]], new: int) -> float:
+    import transformers
+
+    llava = transformers.LlavaForConditionalGeneration.from_pretrained(model, dtype=torch.float32)
+    lm = llava.model.language_model
+    causal = transformers.LlamaForCausalLM(llava.config.text_config)
+    causal.model = lm
+    causal.lm_head = llava.lm_head
+    causal.eval()
+    cfg = transformers.GenerationConfig(
+        max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    # The first call builds and sizes the manager; the timed second call reuses it.
+    causal.generate_batch(prompts, generation_config=cfg, persistent_manager=True)
+    t0 = time.perf_counter()
+    out = causal.generate_batch(prompts, generation_config=cfg, persistent_manager=True)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o.generated_tokens) for o in out.values())
+    return round(tokens / seconds, 3)
+
+
+def _plot(path: Path, policies: dict[str, dict[str, Any]], steps: list[Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    names = list(policies)
+    axes[0].bar(names, [policies[p]["req_per_s"] for p in names], color="tab:blue")
+    axes[0].set_title("throughput (req/s)")
+    axes[1].bar(names, [policies[p]["latency_p99_s"] for p in names], color="tab:red")
+    axes[1].set_title("p99 latency (s)")
+    axes[2].plot([s[0] for s in steps], [s[1] for s in steps], lw=0.8)
+    axes[2].set_title("token-budget: tokens per step")
+    axes[2].set_xlabel("time (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(model: Path, n: int, seed: int, threads: int, plot: Path | None, quiet: bool) -> int:
+    torch.set_num_threads(threads)
+    specs = mixed(n, seed, mean_gap_s=2.0)
+    policies, steps = {}, []
+    for policy in POLICIES:
+        policies[policy], log = _run_policy(model, policy, specs, threads, quiet)
+        if policy == "token-budget":
+            steps = log
+    heavy_specs = mixed(n, seed + 1, mean_gap_s=0.5, decode_heavy=True)
+    heavy = {
+        p: _run_policy(model, p, heavy_specs, threads, quiet)[0] for p in ("token-budget", "none")
+    }
+    ratio = heavy["token-budget"]["output_tok_per_s"] / heavy["none"]["output_tok_per_s"]
+    result = {
+        "bench": "batching",
+        "model": model.resolve().name,
+        "threads": threads,
+        "workload": {"requests": n, "seed": seed, "kinds": _kinds(specs)},
+        "scheduler": {
+            k: getattr(_config("token-budget"), k)
+            for k in ("max_batch_tokens", "max_prefill_chunk", "batch_size", "block_size")
+        },
+        "policies": policies,
+        "comparison": _compare(policies),
+        "decode_heavy": {
+            **heavy,
+            "output_tok_per_s_vs_none": round(ratio, 3),
+            "target": ">= 3.0",
+        },
+        "text_only_vs_transformers": _text_only(model, max(4, n // 2), threads),
+        **reuse.run(model, 3, threads),
+    }
+    if plot is not None:
+        _plot(plot, policies, steps)
+        result["plot"] = str(plot)
+    print(json.dumps(result))
+    return 0
+
+
+def _kinds(specs: list[Spec]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in specs:
+        out[s.kind] = out.get(s.kind, 0) + 1
+    return out

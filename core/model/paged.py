@@ -1,0 +1,167 @@
+"""One forward step over many sequences with a paged KV cache.
+
+The linear layers (projections, MLP, lm_head) run over every new token of every sequence in the
+step; attention runs per sequence over the keys and values gathered from its blocks.
+
+Batch invariance: a BLAS GEMM rounds a row differently depending on how many rows it is given
+(measured with MKL here: every M differs from M=1 at ~1e-7), which is enough to flip a greedy
+argmax now and then. So every linear layer runs on fixed tiles of `TILE` rows (zero-padded), and
+attention runs per query tile aligned to absolute positions, so a token's numbers depend on its own
+sequence only: not on its batch-mates, not on how its prefill was chunked, and not on whether its
+prefix came from the cache. The scheduler keeps prefill chunks on `TILE` boundaries for this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.model.llava import Llava
+from core.model.text import Attention, DecoderLayer, _rotate
+
+TILE = 16  # rows per GEMM call and queries per attention call
+
+
+@dataclass(frozen=True, slots=True)
+class SeqChunk:
+    """One sequence's share of a step."""
+
+    start: int  # tokens already in the cache (position of the first new token)
+    num_tokens: int  # new tokens run this step
+    slots: torch.Tensor  # (start + num_tokens,) long: cache slot of every position so far
+    need_logits: bool  # the last new token is the sequence's newest: sample after it
+
+
+class PagedKV:
+    """Key and value storage: per layer a (num_blocks * block_size, kv_heads, head_dim) tensor.
+    Slot s belongs to block s // block_size; the KV-cache manager decides who owns which block."""
+
+    def __init__(
+        self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
+    ) -> None:
+        shape = (num_blocks * block_size, kv_heads, head_dim)
+        self.block_size = block_size
+        self.keys = [torch.zeros(shape) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int) -> int:
+        return 2 * num_layers * block_size * kv_heads * head_dim * 4  # float32 keys + values
+
+
+def slots_for(block_table: list[int], num_positions: int, block_size: int) -> torch.Tensor:
+    """Cache slots of positions 0..num_positions-1 of a sequence with this block table."""
+    table = torch.tensor(block_table, dtype=torch.long)
+    slots = (table[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)
+    return slots[:num_positions]
+
+
+def _positions(chunks: list[SeqChunk]) -> torch.Tensor:
+    return torch.cat([torch.arange(c.start, c.start + c.num_tokens) for c in chunks])
+
+
+def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)` computed on fixed `TILE`-row tiles, so each row's result is the same whatever
+    else is in `x`."""
+    rows = x.shape[0]
+    pad = (-rows) % TILE
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    out = torch.cat([F.linear(t, layer.weight, layer.bias) for t in torch.split(x, TILE)])
+    return out[:rows]
+
+
+def _attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, enable_gqa: bool
+) -> torch.Tensor:
+    """Causal attention of queries at positions start.. (heads, n, dim) over keys (kv, ctx, dim),
+    one SDPA call per query tile [k*TILE, (k+1)*TILE) of absolute positions."""
+    n = q.shape[1]
+    outs = []
+    pos = start
+    while pos < start + n:
+        end = min(start + n, (pos // TILE + 1) * TILE)
+        mask = None
+        if end - pos > 1:
+            # Query i sits at position pos+i and sees keys 0..pos+i.
+            mask = torch.ones(end - pos, end, dtype=torch.bool).tril(diagonal=pos)
+        out = F.scaled_dot_product_attention(
+            q[None, :, pos - start : end - start],
+            keys[None, :, :end],
+            values[None, :, :end],
+            attn_mask=mask,
+            enable_gqa=enable_gqa,
+        )
+        outs.append(out[0])
+        pos = end
+    return torch.cat(outs, dim=1)
+
+
+def _attention(
+    attn: Attention,
+    x: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    chunks: list[SeqChunk],
+    kv: PagedKV,
+    layer: int,
+) -> torch.Tensor:
+    total = x.shape[0]
+    cos, sin = rope
+    q = linear(attn.q_proj, x).view(total, attn.num_heads, attn.head_dim).transpose(0, 1)
+    k = linear(attn.k_proj, x).view(total, attn.num_kv, attn.head_dim).transpose(0, 1)
+    v = linear(attn.v_proj, x).view(total, attn.num_kv, attn.head_dim)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin).transpose(0, 1)
+    keys, values = kv.keys[layer], kv.values[layer]
+    new_slots = torch.cat([c.slots[c.start :] for c in chunks])
+    keys[new_slots], values[new_slots] = k, v
+    outs, offset = [], 0
+    for c in chunks:
+        n = c.num_tokens
+        out = _attend(
+            q[:, offset : offset + n],
+            keys[c.slots].transpose(0, 1).contiguous(),
+            values[c.slots].transpose(0, 1).contiguous(),
+            c.start,
+            attn.num_kv != attn.num_heads,
+        )
+        outs.append(out.transpose(0, 1).reshape(n, -1))
+        offset += n
+    return linear(attn.o_proj, torch.cat(outs))
+
+
+def _layer(
+    block: DecoderLayer,
+    x: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    chunks: list[SeqChunk],
+    kv: PagedKV,
+    layer: int,
+) -> torch.Tensor:
+    x = x + _attention(block.self_attn, block.input_layernorm(x), rope, chunks, kv, layer)
+    h = block.post_attention_layernorm(x)
+    mlp = block.mlp
+    return x + linear(mlp.down_proj, F.silu(linear(mlp.gate_proj, h)) * linear(mlp.up_proj, h))
+
+
+@torch.inference_mode()
+def forward(
+    model: Llava, embeds: torch.Tensor, chunks: list[SeqChunk], kv: PagedKV
+) -> torch.Tensor:
+    """Runs the new tokens of every chunk (embeds concatenated in chunk order); returns the
+    float32 logits of the last token of each chunk with `need_logits`, in chunk order."""
+    decoder = model.language_model
+    rope = decoder.rotary(_positions(chunks))
+    x = embeds
+    for i, block in enumerate(decoder.layers):
+        x = _layer(block, x, rope, chunks, kv, i)  # type: ignore[arg-type]
+    ends, offset = [], 0
+    for c in chunks:
+        offset += c.num_tokens
+        if c.need_logits:
+            ends.append(offset - 1)
+    if not ends:
+        return torch.empty(0, model.cfg.text.vocab_size)
+    return linear(model.lm_head, decoder.norm(x[torch.tensor(ends)])).float()

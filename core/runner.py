@@ -1,0 +1,106 @@
+"""Runs one scheduled step on the model (model thread only): gathers each chunk's embeddings and
+slots, makes the batched forward pass, samples a token for every sequence that needs one, and
+streams text and the final event to each request."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from core import metrics
+from core.generate import sample
+from core.kv_cache import KVCacheManager
+from core.model import paged
+from core.model.llava import Llava
+from core.scheduler import Scheduler, SchedulerOutput
+from core.sequence import Finished, RequestStatus, Sequence
+from core.types import Delta
+
+
+class ModelRunner:
+    def __init__(
+        self, model: Llava, kv_manager: KVCacheManager, scheduler: Scheduler, eos_ids: set[int]
+    ) -> None:
+        text = model.cfg.text
+        self.model, self.kv_manager, self.scheduler = model, kv_manager, scheduler
+        self.eos_ids = eos_ids
+        self.kv = paged.PagedKV(
+            text.num_layers, kv_manager.num_blocks, kv_manager.block_size, text.num_kv_heads,
+            text.head_dim,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def embed_prompt(self, ids: list[int], features: torch.Tensor | None) -> torch.Tensor:
+        return self.model.embed(torch.tensor(ids), features)
+
+    def step(self, out: SchedulerOutput) -> None:
+        """Runs `out` and advances every sequence in it."""
+        now = time.perf_counter()
+        for chunk in out.chunks:
+            if not chunk.seq.first_scheduled:
+                chunk.seq.first_scheduled = now
+        logits = self._forward(out)
+        self.scheduler.update(out)
+        row = 0
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq.num_computed_tokens == seq.num_tokens:
+                self._advance(seq, logits[row])
+                row += 1
+
+    @torch.inference_mode()
+    def _forward(self, out: SchedulerOutput) -> torch.Tensor:
+        size = self.kv_manager.block_size
+        chunks, embeds = [], []
+        for chunk in out.chunks:
+            seq, n = chunk.seq, chunk.num_new_tokens
+            start = seq.num_computed_tokens
+            table = [b.block_id for b in self.kv_manager.tables[seq.seq_id]]
+            slots = paged.slots_for(table, start + n, size)
+            chunks.append(paged.SeqChunk(start, n, slots, start + n == seq.num_tokens))
+            embeds.append(seq.embeds(start, n, self._embed_tokens))
+        return paged.forward(self.model, torch.cat(embeds), chunks, self.kv)
+
+    def _embed_tokens(self, ids: list[int]) -> torch.Tensor:
+        embeds: torch.Tensor = self.model.language_model.embed_tokens(torch.tensor(ids))
+        return embeds
+
+    def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Samples the next token and streams it; ends the sequence on EOS, stop or length."""
+        params = seq.params
+        produced = seq.num_output_tokens
+        if produced < params.min_new_tokens:
+            logits = logits.clone()
+            logits[list(self.eos_ids)] = float("-inf")
+        token = sample(logits, params, seq.gen)
+        seq.token_ids.append(token)
+        metrics.GENERATED_TOKENS.inc()
+        if produced == 0:
+            seq.first_token = time.perf_counter()
+            metrics.TTFT.observe(seq.first_token - seq.arrival)
+        if token in self.eos_ids:
+            self.finish(seq, RequestStatus.FINISHED_STOPPED)
+            return
+        seq.sink(Delta(seq.stream.push(token), 1))
+        if seq.stream.stopped:
+            self.finish(seq, RequestStatus.FINISHED_STOPPED)
+        elif seq.num_output_tokens >= params.max_new_tokens:
+            self.finish(seq, RequestStatus.FINISHED_LENGTH)
+
+    def finish(self, seq: Sequence, status: RequestStatus) -> None:
+        self.scheduler.finish(seq, status)
+        tail = seq.stream.flush()
+        if tail:
+            seq.sink(Delta(tail, 0))
+        end = time.perf_counter()
+        n = seq.num_output_tokens
+        if n > 1:
+            metrics.TPOT.observe((end - seq.first_token) / (n - 1))
+        timings = {
+            "queue": (seq.first_scheduled - seq.arrival) * 1000,
+            "prefill": (seq.first_token - seq.first_scheduled) * 1000,
+            "generate": (end - seq.first_token) * 1000,
+        }
+        reason = "length" if status == RequestStatus.FINISHED_LENGTH else "stop"
+        seq.sink(Finished(seq.stream.text, n, reason, timings))

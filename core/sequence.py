@@ -1,0 +1,108 @@
+"""One request's state inside the scheduler: tokens, progress, and its generation state. Touched
+only on the model thread."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from core.generate import TextStream
+from core.kv_cache import ImageSpan, hash_block
+from core.types import Delta, SamplingParams
+from shared.errors import Reason
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+class EngineFailure(Exception):
+    """Sent to a request's stream when the model thread failed while running it, or stopped."""
+
+    def __init__(self, reason: Reason = Reason.INTERNAL) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The last event of a request's stream."""
+
+    text: str  # the whole output
+    num_output_tokens: int  # generated tokens (an end-of-sequence token counts)
+    finish_reason: str  # "stop" or "length"
+    timings_ms: dict[str, float]  # queue, prefill, generate
+
+
+Event = Delta | Finished | EngineFailure
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    seq_id: int  # unique per engine
+    tenant: str  # for fair share
+    salt: bytes  # tenant salt of the block hashes
+    token_ids: list[int]  # prompt then outputs
+    num_prompt_tokens: int  # prompt length
+    prompt_embeds: torch.Tensor  # (num_prompt_tokens, hidden), images already in place
+    spans: tuple[ImageSpan, ...]  # where images sit in the prompt
+    params: SamplingParams  # generation controls
+    stream: TextStream  # detokeniser + stop strings
+    gen: torch.Generator  # sampling randomness
+    sink: Callable[[Event], None]  # delivers events to the caller's event loop
+    arrival: float  # perf_counter at submission
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # positions whose KV is in the cache
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix map at admission
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, in order
+    first_scheduled: float = 0.0  # perf_counter of the first step that ran it
+    first_token: float = 0.0  # perf_counter of its first output token
+    num_preemptions: int = 0  # times it lost its blocks
+    num_skipped_steps: int = 0  # steps in a row its prefill could have run and did not
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    def hashes_upto(self, num_blocks: int, block_size: int) -> list[bytes]:
+        """Hashes of the first `num_blocks` full blocks, computed once and remembered."""
+        while len(self.block_hashes) < num_blocks:
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if i else b""
+            tokens = self.token_ids[i * block_size : (i + 1) * block_size]
+            self.block_hashes.append(
+                hash_block(parent, tokens, self.spans, i * block_size, self.salt)
+            )
+        return self.block_hashes[:num_blocks]
+
+    def embeds(
+        self, start: int, num: int, embed: Callable[[list[int]], torch.Tensor]
+    ) -> torch.Tensor:
+        """Input embeddings of positions start..start+num (prompt rows, then output tokens)."""
+        end = start + num
+        parts = []
+        if start < self.num_prompt_tokens:
+            parts.append(self.prompt_embeds[start : min(end, self.num_prompt_tokens)])
+        if end > self.num_prompt_tokens:
+            parts.append(embed(self.token_ids[max(start, self.num_prompt_tokens) : end]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
