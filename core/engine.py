@@ -276,10 +276,10 @@ class Engine:
                 yield _result(event, len(ids) - sum(visual), visual_before, sum(visual), timings)
                 return
         finally:
-            metrics.ACTIVE_GENERATIONS.dec()
-            if not finished:
-                metrics.CANCELLED_GENERATIONS.inc()
-                self._inbox.put(lambda: self._abort(seq.seq_id))
+            if finished:
+                metrics.ACTIVE_GENERATIONS.dec()
+            else:
+                self._cancel(seq.seq_id)
 
     def _new_sequence(
         self,
@@ -323,6 +323,23 @@ class Engine:
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         self._num_waiting = self.scheduler.num_waiting
+
+    def _cancel(self, seq_id: int) -> None:
+        """Frees a request nobody reads any more. It counts as cancelled once the model thread
+        has dropped it, so no token is generated for it after the metric says so."""
+
+        def counted() -> None:
+            metrics.ACTIVE_GENERATIONS.dec()
+            metrics.CANCELLED_GENERATIONS.inc()
+
+        def abort() -> None:
+            self._abort(seq_id)
+            counted()
+
+        try:
+            self._inbox.put(abort)
+        except VisorError:  # shutting down: the model thread drops every sequence itself
+            counted()
 
     def _abort(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id, None)
