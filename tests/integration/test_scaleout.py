@@ -175,7 +175,9 @@ def test_killing_a_core_moves_only_its_traffic(cluster: Cluster) -> None:
     assert after.final is not None and after.final.served_by not in (victim, "")
     assert moved_in < HEALTH_INTERVAL_S + 5.0  # one decode + encode on a loaded 2-core host
     new_home = after.final.served_by
-    assert _metric(cluster, "visor_gateway_core_failovers_total") >= failovers + 1
+    # The victim is marked down by whichever fails first on it: the in-flight streams (no
+    # failover: they had streamed tokens) or `after` (one failover to the next core).
+    assert _metric(cluster, "visor_gateway_core_failovers_total") in (failovers, failovers + 1)
     assert _metric(cluster, "visor_gateway_cores_healthy") == len(IDS) - 1
     again = _ask(cluster, png)
     assert again.final is not None and again.final.served_by == new_home
