@@ -279,7 +279,8 @@ class Engine:
             metrics.ACTIVE_GENERATIONS.dec()
             if not finished:
                 metrics.CANCELLED_GENERATIONS.inc()
-                self._inbox.put(lambda: self._abort(seq.seq_id))
+                with contextlib.suppress(VisorError):  # shutting down: nothing left to free
+                    self._inbox.put(lambda: self._abort(seq.seq_id))
 
     def _new_sequence(
         self,
@@ -396,8 +397,10 @@ def _image_spans(
 ) -> tuple[ImageSpan, ...]:
     spans, pos = [], 0
     for count, key in zip(visual, keys, strict=True):
-        while ids[pos] != image_id:
+        while pos < len(ids) and ids[pos] != image_id:
             pos += 1
+        if pos + count > len(ids):
+            raise VisorError(Reason.INVALID_REQUEST, "more items than image places in the turns")
         spans.append(ImageSpan(pos, pos + count, key))
         pos += count
     return tuple(spans)
