@@ -413,8 +413,10 @@ def _image_spans(
 ) -> tuple[ImageSpan, ...]:
     spans, pos = [], 0
     for count, key in zip(visual, keys, strict=True):
-        while ids[pos] != image_id:
+        while pos < len(ids) and ids[pos] != image_id:
             pos += 1
+        if pos + count > len(ids):
+            raise VisorError(Reason.INVALID_REQUEST, "more items than image places in the turns")
         spans.append(ImageSpan(pos, pos + count, key))
         pos += count
     return tuple(spans)
