@@ -1,4 +1,4 @@
-"""The one entry point: `visor core|gateway|ask|demo|model ...`.
+"""The one entry point: `visor core|gateway|ask|demo|eval|bench|cache|model ...`.
 
 Each command imports only what it needs, so `visor ask` and `visor gateway` never import torch.
 """
@@ -212,6 +212,10 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--seed", type=int, default=0)
     i.add_argument("--force", action="store_true")
     i.set_defaults(fn=_init_demo)
+    from bench.quality import commands as quality  # argument parsing only: no torch here
+
+    quality.add_train(m)
+    quality.add_eval(sub)
     return p
 
 
