@@ -104,7 +104,10 @@ def _init_demo(args: argparse.Namespace) -> int:
     from core.model import demo
 
     demo.build(out, preset=args.preset, seed=args.seed)
-    print(f"demo model written to {out} (random weights: its answers are noise)")
+    print(
+        f"demo model written to {out} (random weights: its answers are noise; "
+        "`visor model train-demo` trains it)"
+    )
     return 0
 
 

@@ -33,8 +33,7 @@ class Sample:
 def _samples(folder: Path) -> list[Sample]:
     questions = json.loads((folder / "questions.json").read_text())
     return [
-        Sample(folder / name, str(q["question"]), str(q["answer"]))
-        for name, q in questions.items()
+        Sample(folder / name, str(q["question"]), str(q["answer"])) for name, q in questions.items()
     ]
 
 

@@ -33,6 +33,7 @@ def add_train(model_sub: Any) -> None:
     t.add_argument("--out", default="models/demo")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--steps", type=int, default=3000, help="optimiser steps (schedule length)")
+    t.add_argument("--vision-steps", type=int, default=500, help="first stage (dense targets)")
     t.add_argument("--minutes", type=float, default=30.0, help="wall-clock cap")
     t.add_argument("--threads", type=int, default=1, help="torch threads")
     t.set_defaults(fn=_train)
@@ -42,7 +43,6 @@ def _eval(args: argparse.Namespace) -> int:
     import torch
 
     from bench.quality import evaluate, report
-
     from shared.errors import VisorError
 
     torch.set_num_threads(max(1, args.threads))
@@ -79,7 +79,11 @@ def _train(args: argparse.Namespace) -> int:
     from bench.quality import train
 
     cfg = train.TrainConfig(
-        seed=args.seed, steps=args.steps, minutes=args.minutes, threads=args.threads
+        seed=args.seed,
+        steps=args.steps,
+        vision_steps=args.vision_steps,
+        minutes=args.minutes,
+        threads=args.threads,
     )
     recipe = train.train(Path(args.out), cfg)
     print(json.dumps(recipe))

@@ -220,7 +220,7 @@ async def evaluate(
     runner: Runner, cases: list[Case], profiles: dict[str, Profile], progress: bool
 ) -> dict[str, dict[str, Any]]:
     """Every case under every profile; returns the summary per profile name."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
 
     outcomes: dict[str, list[Outcome]] = {name: [] for name in profiles}
     bar = tqdm(total=len(cases) * len(profiles), disable=not progress, unit="answer")

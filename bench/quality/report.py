@@ -8,7 +8,9 @@ from typing import Any
 
 def _row(name: str, r: dict[str, Any], scenarios: list[str]) -> str:
     cells = [f"{100 * r['accuracy'].get(s, float('nan')):.1f}" for s in scenarios]
-    return f"| {name} | {r['visual_tokens']:.1f} | " + " | ".join(cells) + f" | {r['ttft_ms']:.1f} |"
+    return (
+        f"| {name} | {r['visual_tokens']:.1f} | " + " | ".join(cells) + f" | {r['ttft_ms']:.1f} |"
+    )
 
 
 def table(result: dict[str, Any]) -> str:

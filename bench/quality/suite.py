@@ -64,6 +64,7 @@ class Item:
     answer: str  # the expected short answer
     image: Image.Image  # the rendered scene, SIZE x SIZE RGB
     parts: tuple[Part, ...] = ()  # what was drawn where
+    focus: tuple[int, ...] = ()  # indices into `parts` the question is about
 
     def png(self) -> bytes:
         buf = io.BytesIO()
@@ -84,7 +85,7 @@ def items(split: Split, seed: int, n: int, scenario: str | None = None) -> list[
 
 def _background(rng: np.random.Generator) -> Image.Image:
     shade = tuple(int(v) for v in rng.integers(225, 256, 3))
-    return Image.new("RGB", (SIZE, SIZE), shade)  # type: ignore[arg-type]
+    return Image.new("RGB", (SIZE, SIZE), shade)
 
 
 def _place(rng: np.random.Generator, radii: list[int], tries: int = 200) -> list[tuple[int, int]]:
@@ -122,8 +123,7 @@ def _shapes(rng: np.random.Generator, kinds: list[str], colours: list[str]) -> l
     radii = [int(rng.integers(12, 24)) for _ in kinds]
     centres = _place(rng, radii)
     return [
-        Shape(k, c, x, y, r)
-        for k, c, (x, y), r in zip(kinds, colours, centres, radii, strict=True)
+        Shape(k, c, x, y, r) for k, c, (x, y), r in zip(kinds, colours, centres, radii, strict=True)
     ]
 
 
@@ -145,7 +145,9 @@ def _counting(rng: np.random.Generator) -> Item:
     colours = [_pick(rng, list(COLOURS)) for _ in kinds]
     shapes = _shapes(rng, kinds, colours)
     img = _draw(_background(rng), shapes)
-    return Item("counting", f"How many {target}s are there?", str(count), img, _parts(shapes))
+    focus = tuple(range(count))  # the targets come first
+    question = f"How many {target}s are there?"
+    return Item("counting", question, str(count), img, _parts(shapes), focus)
 
 
 @lru_cache(maxsize=8)
@@ -162,7 +164,7 @@ def _ocr(rng: np.random.Generator) -> Item:
     x, y = (int(v) for v in rng.integers(half + 8, SIZE - half - 8, 2))
     text, font = str(number), _font(size)
     draw = ImageDraw.Draw(img)
-    draw.text((x, y), text, fill=ink, font=font, anchor="mm")  # type: ignore[arg-type]
+    draw.text((x, y), text, fill=ink, font=font, anchor="mm")
     x0, y0, x1, y1 = (int(v) for v in draw.textbbox((x, y), text, font=font, anchor="mm"))
     width = max(1.0, float(font.getlength(text)))
     parts = []
@@ -170,7 +172,7 @@ def _ocr(rng: np.random.Generator) -> Item:
         a = x0 + (x1 - x0) * font.getlength(text[:i]) / width
         b = x0 + (x1 - x0) * font.getlength(text[: i + 1]) / width
         parts.append(Part(ch, "", (int(a), y0, int(b), y1), i + 1))
-    return Item("ocr", "What number is written?", text, img, tuple(parts))
+    return Item("ocr", "What number is written?", text, img, tuple(parts), tuple(range(len(text))))
 
 
 def _spatial(rng: np.random.Generator) -> Item:
@@ -188,10 +190,8 @@ def _spatial(rng: np.random.Generator) -> Item:
     sign = RELATIONS[relation][1]
     truth = (first.x, first.y)[axis] * sign > (second.x, second.y)[axis] * sign
     img = _draw(_background(rng), shapes)
-    question = (
-        f"Is the {first.colour} {first.kind} {relation} the {second.colour} {second.kind}?"
-    )
-    return Item("spatial", question, "yes" if truth else "no", img, _parts(shapes))
+    question = f"Is the {first.colour} {first.kind} {relation} the {second.colour} {second.kind}?"
+    return Item("spatial", question, "yes" if truth else "no", img, _parts(shapes), (0, 1))
 
 
 def _attribute(rng: np.random.Generator) -> Item:
@@ -199,11 +199,11 @@ def _attribute(rng: np.random.Generator) -> Item:
     kinds = [str(k) for k in rng.choice(SHAPES, int(rng.integers(2, 4)), replace=False)]
     colours = [str(c) for c in rng.choice(list(COLOURS), len(kinds), replace=False)]
     shapes = _shapes(rng, kinds, colours)
-    asked = shapes[int(rng.integers(len(shapes)))]
+    index = int(rng.integers(len(shapes)))
+    asked = shapes[index]
     img = _draw(_background(rng), shapes)
-    return Item(
-        "attribute", f"What colour is the {asked.kind}?", asked.colour, img, _parts(shapes)
-    )
+    question = f"What colour is the {asked.kind}?"
+    return Item("attribute", question, asked.colour, img, _parts(shapes), (index,))
 
 
 _BUILDERS = {

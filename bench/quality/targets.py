@@ -18,8 +18,13 @@ from torch import nn
 from bench.quality import suite
 
 # head name -> classes; class 0 is always "nothing here".
-HEADS = {"kind": len(suite.SHAPES) + 2, "colour": len(suite.COLOURS) + 1, "centre": 2,
-         "digit": 11, "order": 3}
+HEADS = {
+    "kind": len(suite.SHAPES) + 2,
+    "colour": len(suite.COLOURS) + 1,
+    "centre": 2,
+    "digit": 11,
+    "order": 3,
+}
 _COLOUR_INDEX = {c: i + 1 for i, c in enumerate(suite.COLOURS)}
 _TEXT_KIND = len(suite.SHAPES) + 1
 
@@ -54,6 +59,26 @@ def patch_targets(item: suite.Item, grid: int, patch: int) -> np.ndarray:
     return out.reshape(grid * grid, len(HEADS))
 
 
+def focus_mask(item: suite.Item, grid: int, patch: int) -> np.ndarray:
+    """(grid * grid,) bool: the patches of what the question is about."""
+    centres = (np.arange(grid) + 0.5) * patch
+    cx, cy = np.meshgrid(centres, centres)
+    out = np.zeros((grid, grid), dtype=bool)
+    for i in item.focus:
+        out |= _inside(item.parts[i], cx, cy)
+    return out.reshape(-1)
+
+
+def retrieval_loss(probs: torch.Tensor, relevant: torch.Tensor) -> torch.Tensor:
+    """-log of the attention mass a probe head puts on the relevant visual tokens (rows with
+    none left after compression are skipped)."""
+    has = relevant.any(-1)
+    if not bool(has.any()):
+        return probs.new_zeros(())
+    mass = (probs * relevant.float()).sum(-1)
+    return -torch.log(mass[has] + 1e-6).mean()
+
+
 class DenseHead(nn.Module):
     """Training-only: per-token logits for every head."""
 
@@ -62,11 +87,15 @@ class DenseHead(nn.Module):
         self.proj = nn.Linear(hidden, sum(HEADS.values()))
 
     def loss(self, feats: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.proj(feats).split(list(HEADS.values()), dim=-1)
+        # Read through an RMS normalisation, as the decoder's first layer reads the tokens: what
+        # the head can separate, the decoder's keys and values can too.
+        normed = feats * torch.rsqrt(feats.pow(2).mean(-1, keepdim=True) + 1e-6)
+        logits = self.proj(normed).split(list(HEADS.values()), dim=-1)
         total = feats.new_zeros(())
         for i, head in enumerate(logits):
-            total = total + F.cross_entropy(head.reshape(-1, head.shape[-1]),
-                                            targets[..., i].reshape(-1))
+            total = total + F.cross_entropy(
+                head.reshape(-1, head.shape[-1]), targets[..., i].reshape(-1)
+            )
         return total / len(HEADS)
 
 

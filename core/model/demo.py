@@ -1,6 +1,7 @@
 """Builds the demo checkpoint: a small LLaVA (CLIP ViT + projector + Llama) in llava-hf layout,
-with a byte-level BPE tokenizer trained here. Fixed seed, no download. Its weights are random, so
-its answers are noise until the quality work trains it."""
+with a byte-level BPE tokenizer trained here. Fixed seed, no download. The weights it writes are
+random (answers are noise); `visor model train-demo` (bench/quality/train.py) starts from this
+build and trains it on the synthetic suite."""
 
 from __future__ import annotations
 

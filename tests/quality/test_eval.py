@@ -61,8 +61,9 @@ def _write_jsonl(folder: Path, n: int) -> Path:
     for i, it in enumerate(suite.items(suite.Split.EVAL, 9, n)):
         name = f"img{i}.png"
         (folder / name).write_bytes(it.png())
-        rows.append({"image": name, "question": it.question, "answer": it.answer,
-                     "scenario": it.scenario})
+        rows.append(
+            {"image": name, "question": it.question, "answer": it.answer, "scenario": it.scenario}
+        )
     path = folder / "cases.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -71,8 +72,16 @@ def _write_jsonl(folder: Path, n: int) -> Path:
 def test_jsonl_suite_and_plot(tmp_path: Path) -> None:
     cases = _write_jsonl(tmp_path, 8)
     plot = tmp_path / "plot.png"
-    result = _eval("--model", str(MODEL), "--suite", f"jsonl:{cases}",
-                   "--profiles", "none,balanced", "--plot", str(plot))
+    result = _eval(
+        "--model",
+        str(MODEL),
+        "--suite",
+        f"jsonl:{cases}",
+        "--profiles",
+        "none,balanced",
+        "--plot",
+        str(plot),
+    )
     none, balanced = result["profiles"]["none"], result["profiles"]["balanced"]
     assert set(none["accuracy"]) == set(suite.SCENARIOS)
     assert none["visual_tokens"] == 196 and balanced["visual_tokens"] == 98
@@ -85,7 +94,10 @@ def test_jsonl_suite_and_plot(tmp_path: Path) -> None:
 def test_sweep_through_a_gateway_is_refused() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "shared.cli", "eval", "--target", "127.0.0.1:1", "--sweep"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
     )
     assert done.returncode == 2 and "in-process only" in done.stderr
 

@@ -33,7 +33,7 @@ def test_batched_training_forward_matches_the_engine_path(tmp_path: Path) -> Non
         is_image = ids == model.cfg.image_token_id
         embeds = model.language_model.embed_tokens(ids.masked_fill(is_image, 0))
         embeds = embeds.masked_scatter(is_image[..., None], feats.reshape(-1, feats.shape[-1]))
-        batched = train.decoder_logits(model, embeds)
+        batched, _ = train.decoder_logits(model, embeds)
         for i, it in enumerate(items):
             prompt = tok.encode_chat([ChatTurn("user", it.question, 1)], [feats.shape[1]])
             # The prompt is exactly what the engine builds; the labels start right after it.
