@@ -276,15 +276,20 @@ def train(out: Path, cfg: TrainConfig, log_every: int = 50) -> dict[str, object]
         value = float(loss.detach())
         running = 0.98 * running + 0.02 * value if step > 1 else value
         if step % log_every == 0:
-            elapsed = time.perf_counter() - t0
-            acc = " ".join(f"{s} {np.mean(h[-400:]) if h else 0.0:.2f}" for s, h in hits.items())
-            print(
-                f"step {step}/{cfg.steps} loss {running:.4f} train-acc {acc} "
-                f"{elapsed / 60:.1f} min",
-                flush=True,
-            )
-    minutes = (time.perf_counter() - t0) / 60
+            _log(step, cfg.steps, running, hits, time.perf_counter() - t0)
     llava.save(model.eval(), out / "model.safetensors")
+    return _record(out, cfg, step, (time.perf_counter() - t0) / 60, running)
+
+
+def _log(step: int, steps: int, loss: float, hits: dict[str, list[bool]], elapsed: float) -> None:
+    acc = " ".join(f"{s} {np.mean(h[-400:]) if h else 0.0:.2f}" for s, h in hits.items())
+    print(f"step {step}/{steps} loss {loss:.4f} train-acc {acc} {elapsed / 60:.1f} min", flush=True)
+
+
+def _record(
+    out: Path, cfg: TrainConfig, step: int, minutes: float, loss: float
+) -> dict[str, object]:
+    """Writes the recipe into config.json's `visor_demo` block and returns it."""
     recipe = {
         "preset": "demo",
         "trained": True,
@@ -295,7 +300,7 @@ def train(out: Path, cfg: TrainConfig, log_every: int = 50) -> dict[str, object]
         "batch_size": cfg.batch_size,
         "minutes": round(minutes, 1),
         "threads": cfg.threads,
-        "final_loss": round(running, 4),
+        "final_loss": round(loss, 4),
         "command": (
             f"visor model train-demo --out {out} --seed {cfg.seed} --steps {cfg.steps} "
             f"--vision-steps {cfg.vision_steps} --minutes {cfg.minutes:g} --threads {cfg.threads}"
