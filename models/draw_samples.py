@@ -1,6 +1,12 @@
 """Draws the sample media in models/samples/ (run once; the outputs are committed).
 
-python models/draw_samples.py
+PYTHONPATH=. python models/draw_samples.py
+
+The still images are the first held-out items of each scenario of the synthetic suite
+(`bench/quality/suite.py`, evaluation split, seed 0), so `visor demo` asks the questions the
+demo model was evaluated on; questions.json holds each question with its expected answer.
+`moving-dot.gif` is an animation for the request-path tests (frame sampling); the demo model was
+not trained on several frames, so the demo does not ask about it.
 """
 
 from __future__ import annotations
@@ -8,25 +14,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageDraw
+
+from bench.quality import suite
 
 OUT = Path(__file__).resolve().parent / "samples"
-
-
-def shapes() -> Image.Image:
-    img = Image.new("RGB", (320, 240), "white")
-    d = ImageDraw.Draw(img)
-    d.ellipse((30, 70, 130, 170), fill=(220, 30, 30))
-    d.rectangle((190, 70, 290, 170), fill=(30, 60, 220))
-    return img
-
-
-def number() -> Image.Image:
-    img = Image.new("RGB", (256, 160), (250, 245, 230))
-    d = ImageDraw.Draw(img)
-    font = ImageFont.load_default(size=96)
-    d.text((128, 80), "42", fill="black", font=font, anchor="mm")
-    return img
+# file name -> scenario; the names are the ones the tests and README use.
+FILES = {
+    "shapes.png": "spatial",
+    "number.jpg": "ocr",
+    "counting.png": "counting",
+    "colour.png": "attribute",
+}
 
 
 def moving_dot() -> list[Image.Image]:
@@ -40,15 +39,16 @@ def moving_dot() -> list[Image.Image]:
 
 def main() -> None:
     OUT.mkdir(exist_ok=True)
-    shapes().save(OUT / "shapes.png", optimize=True)
-    number().save(OUT / "number.jpg", quality=90)
+    questions = {}
+    for name, scenario in FILES.items():
+        it = suite.item(suite.Split.EVAL, 0, 0, scenario)
+        if name.endswith(".jpg"):
+            it.image.save(OUT / name, quality=90)
+        else:
+            it.image.save(OUT / name, optimize=True)
+        questions[name] = {"question": it.question, "answer": it.answer, "scenario": scenario}
     first, *rest = moving_dot()
     first.save(OUT / "moving-dot.gif", save_all=True, append_images=rest, duration=120, loop=0)
-    questions = {
-        "shapes.png": "Is the red circle left of the blue square?",
-        "number.jpg": "What number is written?",
-        "moving-dot.gif": "What colour is the moving dot?",
-    }
     (OUT / "questions.json").write_text(json.dumps(questions, indent=2) + "\n")
 
 

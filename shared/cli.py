@@ -1,4 +1,4 @@
-"""The one entry point: `visor core|gateway|ask|demo|model ...`.
+"""The one entry point: `visor core|gateway|ask|demo|eval|bench|cache|model ...`.
 
 Each command imports only what it needs, so `visor ask` and `visor gateway` never import torch.
 """
@@ -105,7 +105,10 @@ def _init_demo(args: argparse.Namespace) -> int:
     from core.model import demo
 
     demo.build(out, preset=args.preset, seed=args.seed)
-    print(f"demo model written to {out} (random weights: its answers are noise)")
+    print(
+        f"demo model written to {out} (random weights: its answers are noise; "
+        "`visor model train-demo` trains it)"
+    )
     return 0
 
 
@@ -301,6 +304,10 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--force", action="store_true")
     i.set_defaults(fn=_init_demo)
     _add_deploy_commands(sub)
+    from bench.quality import commands as quality  # argument parsing only: no torch here
+
+    quality.add_train(m)
+    quality.add_eval(sub)
     return p
 
 

@@ -1,5 +1,7 @@
 """`visor demo`: starts a core and a gateway, sends the sample media through the gateway, prints
-each answer with its stage timings, then stops both (or, with --serve, keeps serving until Ctrl-C).
+each answer (with the expected one) and its stage timings, then stops both (or, with --serve,
+keeps serving until Ctrl-C). Exits 1 when a sample is refused (a wrong answer is a quality
+matter, measured by `visor eval`, not a failure of the request path).
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ import json
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from shared import client, procs
@@ -15,15 +18,29 @@ from shared.errors import VisorError
 from shared.metrics import STAGES
 
 GATEWAY, CORE = "127.0.0.1:50051", "127.0.0.1:50052"
-NOTE = (
-    "note: the demo model has random weights (built by `visor model init-demo`), so its "
-    "answers are noise; what this shows is the request path and its timings."
+UNTRAINED = (
+    "note: this demo model has random weights (built by `visor model init-demo`), so its "
+    "answers are noise; train it with `visor model train-demo` or use the committed one."
 )
 
 
-def _samples(folder: Path) -> list[tuple[Path, str]]:
+@dataclass(frozen=True, slots=True)
+class Sample:
+    path: Path  # the media file
+    question: str  # what the demo asks
+    answer: str  # what a correct model answers
+
+
+def _samples(folder: Path) -> list[Sample]:
     questions = json.loads((folder / "questions.json").read_text())
-    return [(folder / name, prompt) for name, prompt in questions.items()]
+    return [
+        Sample(folder / name, str(q["question"]), str(q["answer"])) for name, q in questions.items()
+    ]
+
+
+def _trained(model: Path) -> bool:
+    block = json.loads((model / "config.json").read_text()).get("visor_demo", {})
+    return bool(block.get("trained", True))  # not a demo build: assume a real checkpoint
 
 
 def run(model: Path, samples: Path, serve: bool, config: Path | None) -> int:
@@ -38,8 +55,13 @@ def run(model: Path, samples: Path, serve: bool, config: Path | None) -> int:
         procs.wait_healthy(CORE, core, timeout_s=120)
         gateway = procs.start("gateway", env, config)
         procs.wait_healthy(GATEWAY, gateway, timeout_s=60)
-        print(f"core on {CORE} and gateway on {GATEWAY} are serving\n{NOTE}\n", flush=True)
-        failures = sum(_ask(path, prompt) for path, prompt in _samples(samples))
+        trained = _trained(model)
+        print(f"core on {CORE} and gateway on {GATEWAY} are serving", flush=True)
+        print("" if trained else UNTRAINED + "\n", flush=True)
+        results = [_ask(s) for s in _samples(samples)]
+        correct = sum(ok for _, ok in results)
+        print(f"{correct}/{len(results)} samples answered correctly\n", flush=True)
+        failures = sum(not served for served, _ in results)
         if serve:
             print("serving; press Ctrl-C to stop", flush=True)
             signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -61,19 +83,24 @@ def run(model: Path, samples: Path, serve: bool, config: Path | None) -> int:
         print("stopped core and gateway", flush=True)
 
 
-def _ask(path: Path, prompt: str) -> int:
-    req = client.build_request(prompt, [path.read_bytes()], max_new_tokens=24)
+def _ask(sample: Sample) -> tuple[bool, bool]:
+    """Asks one sample: (served, answered as expected)."""
+    req = client.build_request(sample.question, [sample.path.read_bytes()], max_new_tokens=24)
     t0 = time.perf_counter()
     try:
         answer = client.ask(GATEWAY, "visor-dev-key", req, timeout=60)
     except VisorError as err:
-        print(f"{path.name}: refused {err.reason.value}: {err.message}", file=sys.stderr)
-        return 1
+        print(f"{sample.path.name}: refused {err.reason.value}: {err.message}", file=sys.stderr)
+        return False, False
     wall = (time.perf_counter() - t0) * 1000
+    got = answer.text.strip()
+    ok = got.lower() == sample.answer.lower()
     stages = ", ".join(f"{k} {answer.timings_ms[k]:.1f}" for k in STAGES if k in answer.timings_ms)
     print(
-        f"{path.name}: Q: {prompt}\n  A: {answer.text!r}\n  usage: {answer.usage}\n"
+        f"{sample.path.name}: Q: {sample.question}\n"
+        f"  A: {got!r}  expected {sample.answer!r}  {'correct' if ok else 'WRONG'}\n"
+        f"  usage: {answer.usage}\n"
         f"  timings_ms: {stages}\n  wall {wall:.0f} ms, served by {answer.served_by}\n",
         flush=True,
     )
-    return 0
+    return True, ok

@@ -1,6 +1,7 @@
 """Builds the demo checkpoint: a small LLaVA (CLIP ViT + projector + Llama) in llava-hf layout,
-with a byte-level BPE tokenizer trained here. Fixed seed, no download. Its weights are random, so
-its answers are noise until the quality work trains it."""
+with a byte-level BPE tokenizer trained here. Fixed seed, no download. The weights it writes are
+random (answers are noise); `visor model train-demo` (bench/quality/train.py) starts from this
+build and trains it on the synthetic suite."""
 
 from __future__ import annotations
 
@@ -31,21 +32,23 @@ CHAT_TEMPLATE = (
 PRESETS: dict[str, dict[str, Any]] = {
     "demo": {
         "vision": {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
+            "hidden_size": 96,
+            "intermediate_size": 384,
+            "num_hidden_layers": 3,
             "num_attention_heads": 4,
             "image_size": 224,
             "patch_size": 16,
         },
         "text": {
             "hidden_size": 128,
-            "intermediate_size": 256,
-            "num_hidden_layers": 2,
+            "intermediate_size": 384,
+            "num_hidden_layers": 3,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
         },
         "vocab_size": 512,
+        # The last layer's output: every layer of the small tower is used.
+        "vision_feature_layer": -1,
     },
     # Benchmark size: a ViT-B/14 tower at 336 px (576 tokens per tile) and a 12-layer, hidden-768
     # decoder, so prefill and decode (not Python) dominate while a benchmark fits in minutes.
@@ -139,8 +142,23 @@ _WORDS = [
 ]
 
 
+# Question forms (the synthetic suite's among them), so that they tokenize to few tokens.
+_PHRASES = [
+    "How many circles are there?",
+    "How many squares are there?",
+    "How many triangles are there?",
+    "What number is written?",
+    "What colour is the",
+    "Is the red circle left of the blue square?",
+    "Is the green triangle right of the yellow circle?",
+    "Is the purple square above the orange triangle?",
+    "Is the blue circle below the red square?",
+]
+
+
 def _corpus() -> list[str]:
     lines = [" ".join(p) for p in itertools.permutations(_WORDS[:24], 3)][:4000]
+    lines += _PHRASES * 20
     lines += [f"{w} {i}" for w in _WORDS for i in range(10)]
     lines.append("".join(chr(c) for c in range(32, 127)))
     return lines
@@ -172,7 +190,7 @@ def build(out: Path, preset: str = "demo", seed: int = 0) -> Path:
         "model_type": "llava",
         "image_token_index": ids["<image>"],
         "projector_hidden_act": "gelu",
-        "vision_feature_layer": -2,
+        "vision_feature_layer": spec["vision_feature_layer"],
         "vision_feature_select_strategy": "default",
         "vision_config": {
             "model_type": "clip_vision_model",

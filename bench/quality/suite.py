@@ -1,0 +1,219 @@
+"""The synthetic task suite: rendered scenes (shapes with colours, sizes and positions; rendered
+numbers) and templated questions in four scenarios, each answered by a short string.
+
+Every item is a pure function of (split, seed, index): its random stream is seeded with the
+split's domain tag as the first word of the seed sequence, so a training item and an evaluation
+item can never share a stream, whatever seeds either side picks (`Split` is the only way in).
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+SCENARIOS = ("counting", "ocr", "spatial", "attribute")
+SIZE = 224  # the demo encoder's input side: scenes need no resize on the way in
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30),
+    "green": (30, 160, 50),
+    "blue": (30, 70, 220),
+    "yellow": (235, 200, 20),
+    "purple": (140, 40, 180),
+    "orange": (245, 130, 20),
+}
+SHAPES = ("circle", "square", "triangle")
+MAX_COUNT = 5
+RELATIONS = {"left of": (0, -1), "right of": (0, 1), "above": (1, -1), "below": (1, 1)}
+
+
+class Split(enum.IntEnum):
+    """The domain tag that keeps training and evaluation streams apart."""
+
+    TRAIN = 1
+    EVAL = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    kind: str  # one of SHAPES
+    colour: str  # a key of COLOURS
+    x: int  # centre, pixels
+    y: int  # centre, pixels
+    r: int  # half the side / radius, pixels
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One drawn thing, for dense training targets."""
+
+    label: str  # a shape kind (one of SHAPES) or one digit character
+    colour: str  # a key of COLOURS; "" for text
+    box: tuple[int, int, int, int]  # x0, y0, x1, y1 in pixels
+    order: int  # text: the character's place from the left (1, 2); shapes: 0
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    scenario: str  # one of SCENARIOS
+    question: str  # what the user asks
+    answer: str  # the expected short answer
+    image: Image.Image  # the rendered scene, SIZE x SIZE RGB
+    parts: tuple[Part, ...] = ()  # what was drawn where
+    focus: tuple[int, ...] = ()  # indices into `parts` the question is about
+
+    def png(self) -> bytes:
+        buf = io.BytesIO()
+        self.image.save(buf, "PNG")
+        return buf.getvalue()
+
+
+def item(split: Split, seed: int, index: int, scenario: str | None = None) -> Item:
+    """The `index`-th item of `split` under `seed`; scenarios rotate unless one is named."""
+    rng = np.random.default_rng([int(split), seed, index])
+    chosen = scenario or SCENARIOS[index % len(SCENARIOS)]
+    return _BUILDERS[chosen](rng)
+
+
+def items(split: Split, seed: int, n: int, scenario: str | None = None) -> list[Item]:
+    return [item(split, seed, i, scenario) for i in range(n)]
+
+
+def _background(rng: np.random.Generator) -> Image.Image:
+    shade = tuple(int(v) for v in rng.integers(225, 256, 3))
+    return Image.new("RGB", (SIZE, SIZE), shade)
+
+
+def _place(rng: np.random.Generator, radii: list[int], tries: int = 200) -> list[tuple[int, int]]:
+    """Centres for shapes of the given radii, apart from each other and inside the canvas."""
+    while True:
+        placed: list[tuple[int, int]] = []
+        for r in radii:
+            for _ in range(tries):
+                x, y = (int(v) for v in rng.integers(r + 4, SIZE - r - 4, 2))
+                if all(
+                    (x - px) ** 2 + (y - py) ** 2 > (r + radii[i] + 6) ** 2
+                    for i, (px, py) in enumerate(placed)
+                ):
+                    placed.append((x, y))
+                    break
+        if len(placed) == len(radii):
+            return placed
+
+
+def _draw(img: Image.Image, shapes: list[Shape]) -> Image.Image:
+    d = ImageDraw.Draw(img)
+    for s in shapes:
+        box = (s.x - s.r, s.y - s.r, s.x + s.r, s.y + s.r)
+        fill = COLOURS[s.colour]
+        if s.kind == "circle":
+            d.ellipse(box, fill=fill)
+        elif s.kind == "square":
+            d.rectangle(box, fill=fill)
+        else:
+            d.polygon([(s.x, s.y - s.r), (s.x - s.r, s.y + s.r), (s.x + s.r, s.y + s.r)], fill=fill)
+    return img
+
+
+def _shapes(rng: np.random.Generator, kinds: list[str], colours: list[str]) -> list[Shape]:
+    radii = [int(rng.integers(12, 24)) for _ in kinds]
+    centres = _place(rng, radii)
+    return [
+        Shape(k, c, x, y, r) for k, c, (x, y), r in zip(kinds, colours, centres, radii, strict=True)
+    ]
+
+
+def _parts(shapes: list[Shape]) -> tuple[Part, ...]:
+    return tuple(
+        Part(s.kind, s.colour, (s.x - s.r, s.y - s.r, s.x + s.r, s.y + s.r), 0) for s in shapes
+    )
+
+
+def _pick(rng: np.random.Generator, options: tuple[str, ...] | list[str]) -> str:
+    return str(options[int(rng.integers(len(options)))])
+
+
+def _counting(rng: np.random.Generator) -> Item:
+    target = _pick(rng, SHAPES)
+    count = int(rng.integers(1, MAX_COUNT + 1))
+    others = [k for k in SHAPES if k != target]
+    kinds = [target] * count + [_pick(rng, others) for _ in range(int(rng.integers(0, 3)))]
+    colours = [_pick(rng, list(COLOURS)) for _ in kinds]
+    shapes = _shapes(rng, kinds, colours)
+    img = _draw(_background(rng), shapes)
+    focus = tuple(range(count))  # the targets come first
+    question = f"How many {target}s are there?"
+    return Item("counting", question, str(count), img, _parts(shapes), focus)
+
+
+@lru_cache(maxsize=8)
+def _font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
+    return ImageFont.load_default(size=size)
+
+
+def _ocr(rng: np.random.Generator) -> Item:
+    number = int(rng.integers(0, 100))
+    img = _background(rng)
+    size = int(rng.integers(56, 88))
+    ink = tuple(int(v) for v in rng.integers(0, 90, 3))
+    half = size // 2 + 8
+    x, y = (int(v) for v in rng.integers(half + 8, SIZE - half - 8, 2))
+    text, font = str(number), _font(size)
+    draw = ImageDraw.Draw(img)
+    draw.text((x, y), text, fill=ink, font=font, anchor="mm")
+    x0, y0, x1, y1 = (int(v) for v in draw.textbbox((x, y), text, font=font, anchor="mm"))
+    width = max(1.0, float(font.getlength(text)))
+    parts = []
+    for i, ch in enumerate(text):
+        a = x0 + (x1 - x0) * font.getlength(text[:i]) / width
+        b = x0 + (x1 - x0) * font.getlength(text[: i + 1]) / width
+        parts.append(Part(ch, "", (int(a), y0, int(b), y1), i + 1))
+    return Item("ocr", "What number is written?", text, img, tuple(parts), tuple(range(len(text))))
+
+
+def _spatial(rng: np.random.Generator) -> Item:
+    """Two shapes of different kind and colour, clearly apart along the asked axis."""
+    kinds = list(rng.choice(SHAPES, 2, replace=False))
+    colours = list(rng.choice(list(COLOURS), 2, replace=False))
+    relation = _pick(rng, list(RELATIONS))
+    axis, _ = RELATIONS[relation]
+    while True:
+        shapes = _shapes(rng, [str(k) for k in kinds], [str(c) for c in colours])
+        a, b = ((s.x, s.y)[axis] for s in shapes)
+        if abs(a - b) >= 40:
+            break
+    first, second = shapes
+    sign = RELATIONS[relation][1]
+    truth = (first.x, first.y)[axis] * sign > (second.x, second.y)[axis] * sign
+    img = _draw(_background(rng), shapes)
+    question = f"Is the {first.colour} {first.kind} {relation} the {second.colour} {second.kind}?"
+    return Item("spatial", question, "yes" if truth else "no", img, _parts(shapes), (0, 1))
+
+
+def _attribute(rng: np.random.Generator) -> Item:
+    """Two or three shapes of different kinds; the question names one kind."""
+    kinds = [str(k) for k in rng.choice(SHAPES, int(rng.integers(2, 4)), replace=False)]
+    colours = [str(c) for c in rng.choice(list(COLOURS), len(kinds), replace=False)]
+    shapes = _shapes(rng, kinds, colours)
+    index = int(rng.integers(len(shapes)))
+    asked = shapes[index]
+    img = _draw(_background(rng), shapes)
+    question = f"What colour is the {asked.kind}?"
+    return Item("attribute", question, asked.colour, img, _parts(shapes), (index,))
+
+
+_BUILDERS = {
+    "counting": _counting,
+    "ocr": _ocr,
+    "spatial": _spatial,
+    "attribute": _attribute,
+}
+
+
+def items_range(split: Split, seed: int, start: int, n: int) -> list[Item]:
+    """Items `start` .. `start + n - 1` (training walks the stream batch by batch)."""
+    return [item(split, seed, i) for i in range(start, start + n)]

@@ -1,0 +1,313 @@
+"""`visor model train-demo`: trains the demo LLaVA (ViT + projector + Llama) on the synthetic
+suite's training split, on the CPU, and writes it in llava-hf layout.
+
+The prompt goes through the core's own chat template (`ChatTokenizer.encode_chat`), so inference
+sees exactly the training format; the loss covers the answer tokens and the end-of-sequence token
+only. Two stages: first the tower and projector alone learn the per-patch targets of
+`bench.quality.targets` (what is drawn where; the class token's attention on the foreground), then
+everything trains on the answers with those targets kept as auxiliary losses, plus one decoder head
+taught to look at the objects the question names. To make the model robust to visual-token
+compression, most second-stage batches reach the decoder through one of the compressions the core
+applies (random, attention-, entropy- or mixed-rank pruning at a random keep fraction, or 2x2
+pooling); the rest see every token.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from bench.quality import suite, targets
+from core.model import demo, llava
+from core.model.llava import Llava
+from core.model.text import Attention, DecoderLayer, _rotate
+from core.model.tokenizer import ChatTokenizer, ChatTurn
+
+IGNORE = -100
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    seed: int = 0  # weights, data order and augmentation
+    steps: int = 3000  # optimiser steps (the schedule's length), both stages
+    vision_steps: int = 500  # first stage: the tower and projector on the dense targets alone
+    minutes: float = 30.0  # wall-clock cap; training stops early (and says so) past it
+    batch_size: int = 32  # sequences per step
+    lr: float = 1.5e-3  # peak learning rate
+    warmup: int = 150  # linear warm-up steps
+    threads: int = 1  # torch intra-op threads
+    full_fraction: float = 0.3  # share of batches that keep every visual token
+    jpeg_fraction: float = 0.2  # share of images re-encoded as JPEG (robust to lossy uploads)
+    dense_weight: float = 1.0  # weight of the per-patch auxiliary loss (see bench.quality.targets)
+    importance_weight: float = 0.2  # weight of the class-token attention target
+    retrieval_weight: float = 0.5  # weight of the probe head's attention target
+    probe_layer: int = 1  # decoder layer whose head 0 is taught to look at the asked objects
+
+    def validate(self) -> None:
+        if self.steps < 1 or self.batch_size < 1 or self.threads < 1:
+            raise ValueError("steps, batch_size and threads must be positive")
+        if not (0 < self.lr < 1 and self.minutes > 0 and self.warmup >= 0):
+            raise ValueError("lr in (0, 1), minutes > 0, warmup >= 0")
+        if not (0 <= self.full_fraction <= 1 and 0 <= self.jpeg_fraction <= 1):
+            raise ValueError("fractions must lie in [0, 1]")
+
+
+def _pixels(items: list[suite.Item], rng: np.random.Generator, jpeg: float) -> torch.Tensor:
+    arrays = []
+    for it in items:
+        img = it.image
+        if rng.random() < jpeg:
+            buf = io.BytesIO()
+            img.save(buf, "JPEG", quality=int(rng.integers(60, 96)))
+            img = Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+        arrays.append(np.asarray(img, dtype=np.uint8).transpose(2, 0, 1))
+    return torch.from_numpy(np.stack(arrays))
+
+
+def _ranks(values: torch.Tensor) -> torch.Tensor:
+    return values.argsort(dim=-1).argsort(dim=-1).float()
+
+
+def compress(
+    feats: torch.Tensor,
+    scores: torch.Tensor,
+    relevant: torch.Tensor,
+    rng: np.random.Generator,
+    full: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, N, H) features -> (B, K, H): one compression for the whole batch, kept tokens in
+    raster order, as the core's compression keeps them; `relevant` (B, N) follows the tokens."""
+    b, n, _ = feats.shape
+    mode = rng.random()
+    if mode < full:
+        return feats, relevant
+    if mode < full + 0.12:
+        side = math.isqrt(n)
+        grid = feats.view(b, side, side, -1).permute(0, 3, 1, 2)
+        pooled_rel = F.max_pool2d(relevant.view(b, 1, side, side).float(), 2).flatten(1) > 0
+        return F.avg_pool2d(grid, 2).flatten(2).transpose(1, 2), pooled_rel
+    keep = max(1, round(n * float(rng.uniform(0.15, 0.9))))
+    method = rng.integers(4)
+    with torch.no_grad():
+        if method == 0:
+            score = torch.from_numpy(rng.random((b, n))).float()
+        else:
+            p = torch.softmax(feats.detach(), dim=-1)
+            entropy = -(p * torch.log(p + 1e-12)).sum(-1)
+            score = {1: _ranks(scores), 2: _ranks(-entropy)}.get(
+                int(method), _ranks(scores) + _ranks(-entropy)
+            )
+        index = score.topk(keep, dim=-1).indices.sort(dim=-1).values
+    kept = feats.gather(1, index[..., None].expand(-1, -1, feats.shape[-1]))
+    return kept, relevant.gather(1, index)
+
+
+def batch_ids(
+    tok: ChatTokenizer, items: list[suite.Item], num_visual: int, eos: int, pad: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (B, T) ids and labels: labels are the answer tokens and eos, else IGNORE."""
+    rows, labels = [], []
+    for it in items:
+        prompt = tok.encode_chat([ChatTurn("user", it.question, 1)], [num_visual])
+        answer = [*tok.tok.encode(" " + it.answer, add_special_tokens=False).ids, eos]
+        rows.append(prompt + answer)
+        labels.append([IGNORE] * len(prompt) + answer)
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    lab = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    for i, (r, lb) in enumerate(zip(rows, labels, strict=True)):
+        ids[i, : len(r)], lab[i, : len(lb)] = torch.tensor(r), torch.tensor(lb)
+    return ids, lab
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """Which attention to read out: one head of one layer, from one query position per row."""
+
+    layer: int  # decoder layer
+    queries: torch.Tensor  # (B,) position whose attention is read
+    keys: slice  # key positions returned (the visual tokens)
+
+
+def decoder_logits(
+    model: Llava, embeds: torch.Tensor, probe: Probe | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The decoder over a (B, T, H) right-padded batch: the same modules and arithmetic as
+    `Decoder.forward` for one sequence (causal attention, so padding never reaches a real token).
+    With a probe, also head 0's attention probabilities at the probe's queries over its keys."""
+    dec = model.language_model
+    b, t, _ = embeds.shape
+    cos, sin = dec.rotary(torch.arange(t))
+    x, probs = embeds, None
+    for i, layer in enumerate(dec.layers):
+        assert isinstance(layer, DecoderLayer) and isinstance(layer.self_attn, Attention)
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(b, t, attn.num_heads, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(b, t, attn.num_kv, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(h).view(b, t, attn.num_kv, attn.head_dim).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if probe is not None and i == probe.layer:
+            probs = _head0_probs(q, k, probe)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=attn.num_kv != attn.num_heads
+        )
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(dec.norm(x)), probs
+
+
+def _head0_probs(q: torch.Tensor, k: torch.Tensor, probe: Probe) -> torch.Tensor:
+    rows = torch.arange(q.shape[0])
+    query = q[rows, 0, probe.queries]  # (B, d)
+    logits = (k[:, 0] @ query[..., None])[..., 0] * q.shape[-1] ** -0.5  # (B, T)
+    later = torch.arange(k.shape[2])[None, :] > probe.queries[:, None]
+    probs = torch.softmax(logits.masked_fill(later, float("-inf")), dim=-1)
+    return probs[:, probe.keys]
+
+
+def step_loss(
+    model: Llava,
+    head: targets.DenseHead,
+    tok: ChatTokenizer,
+    items: list[suite.Item],
+    rng: np.random.Generator,
+    cfg: TrainConfig,
+    vision_only: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's loss, and per item whether every answer token was the argmax (teacher
+    forced; a cheap progress signal, not the evaluation). `vision_only`: the dense and
+    importance targets alone, without running the decoder (the first stage)."""
+    pixels = _pixels(items, rng, cfg.jpeg_fraction)
+    feats, scores = model.encode_with_importance(model.normalize(pixels))
+    vc = model.cfg.vision
+    grid = vc.image_size // vc.patch_size
+    dense = torch.from_numpy(
+        np.stack([targets.patch_targets(it, grid, vc.patch_size) for it in items])
+    )
+    aux = cfg.dense_weight * head.loss(feats, dense)
+    aux = aux + cfg.importance_weight * targets.importance_loss(scores, dense)
+    if vision_only:
+        return aux, torch.zeros(len(items), dtype=torch.bool)
+    focus = torch.from_numpy(
+        np.stack([targets.focus_mask(it, grid, vc.patch_size) for it in items])
+    )
+    visual, relevant = compress(feats, scores, focus, rng, cfg.full_fraction)
+    text = model.cfg.text
+    ids, labels = batch_ids(tok, items, visual.shape[1], text.eos_token_id[0], _pad_id(tok))
+    is_image = ids == model.cfg.image_token_id
+    embeds = model.language_model.embed_tokens(ids.masked_fill(is_image, 0))
+    embeds = embeds.masked_scatter(
+        is_image[..., None], visual.reshape(-1, visual.shape[-1]).to(embeds.dtype)
+    )
+    first = int(is_image[0].float().argmax())
+    probe = Probe(
+        cfg.probe_layer,
+        (labels != IGNORE).float().argmax(dim=1) - 1,
+        slice(first, first + visual.shape[1]),
+    )
+    logits, probs = decoder_logits(model, embeds, probe)
+    assert probs is not None
+    aux = aux + cfg.retrieval_weight * targets.retrieval_loss(probs, relevant)
+    logits = logits[:, :-1]
+    target = labels[:, 1:]
+    loss = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE
+    )
+    hit = (logits.argmax(-1) == target) | (target == IGNORE)
+    return loss + aux, hit.all(dim=1)
+
+
+def _pad_id(tok: ChatTokenizer) -> int:
+    pad = tok.tok.token_to_id("<pad>")
+    return int(pad if pad is not None else 0)
+
+
+def _lr(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up (at most a tenth of the run), then cosine decay to 5% of the peak."""
+    warmup = min(cfg.warmup, cfg.steps // 10)
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, cfg.steps - warmup)
+    return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(out: Path, cfg: TrainConfig, log_every: int = 50) -> dict[str, object]:
+    """Builds the demo checkpoint at `out` (random init, seeded), trains it, overwrites its
+    weights and records the recipe in config.json's `visor_demo` block."""
+    cfg.validate()
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    demo.build(out, seed=cfg.seed)
+    model = llava.load(out).train()
+    tok = ChatTokenizer(out, model.cfg.image_token_id)
+    rng = np.random.default_rng([int(suite.Split.TRAIN), cfg.seed, 1 << 30])
+    head = targets.DenseHead(model.cfg.text.hidden_size)
+    params = [*model.parameters(), *head.parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.98))
+    t0, step, running = time.perf_counter(), 0, 0.0
+    hits: dict[str, list[bool]] = {s: [] for s in suite.SCENARIOS}
+    deadline = t0 + cfg.minutes * 60
+    while step < cfg.steps and time.perf_counter() < deadline:
+        for group in opt.param_groups:
+            group["lr"] = _lr(cfg, step)
+        batch = suite.items_range(
+            suite.Split.TRAIN, cfg.seed, step * cfg.batch_size, cfg.batch_size
+        )
+        first_stage = step < min(cfg.vision_steps, cfg.steps // 5)
+        loss, correct = step_loss(model, head, tok, batch, rng, cfg, first_stage)
+        if not first_stage:
+            for it, ok in zip(batch, correct.tolist(), strict=True):
+                hits[it.scenario].append(bool(ok))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        value = float(loss.detach())
+        running = 0.98 * running + 0.02 * value if step > 1 else value
+        if step % log_every == 0:
+            _log(step, cfg.steps, running, hits, time.perf_counter() - t0)
+    llava.save(model.eval(), out / "model.safetensors")
+    return _record(out, cfg, step, (time.perf_counter() - t0) / 60, running)
+
+
+def _log(step: int, steps: int, loss: float, hits: dict[str, list[bool]], elapsed: float) -> None:
+    acc = " ".join(f"{s} {np.mean(h[-400:]) if h else 0.0:.2f}" for s, h in hits.items())
+    print(f"step {step}/{steps} loss {loss:.4f} train-acc {acc} {elapsed / 60:.1f} min", flush=True)
+
+
+def _record(
+    out: Path, cfg: TrainConfig, step: int, minutes: float, loss: float
+) -> dict[str, object]:
+    """Writes the recipe into config.json's `visor_demo` block and returns it."""
+    recipe = {
+        "preset": "demo",
+        "trained": True,
+        "seed": cfg.seed,
+        "steps": step,
+        "planned_steps": cfg.steps,
+        "vision_steps": cfg.vision_steps,
+        "batch_size": cfg.batch_size,
+        "minutes": round(minutes, 1),
+        "threads": cfg.threads,
+        "final_loss": round(loss, 4),
+        "command": (
+            f"visor model train-demo --out {out} --seed {cfg.seed} --steps {cfg.steps} "
+            f"--vision-steps {cfg.vision_steps} --minutes {cfg.minutes:g} --threads {cfg.threads}"
+        ),
+    }
+    config_path = out / "config.json"
+    raw = json.loads(config_path.read_text())
+    raw["visor_demo"] = recipe
+    config_path.write_text(json.dumps(raw, indent=2) + "\n")
+    return recipe
