@@ -16,6 +16,7 @@ import torch
 
 from core.config import SchedulerConfig
 from core.engine import Engine
+from core.model import demo
 from core.model.tokenizer import ChatTurn
 from core.types import Delta, InferRequest, Result, SamplingParams
 from shared.errors import Reason, VisorError
@@ -28,6 +29,13 @@ QUESTIONS = (
     "which shape is above the star",
     "what number is written on it",
 )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random weights, built here: their answers differ from prompt to prompt, which the batch
+    checks need to mean anything (the trained demo model gives many prompts the same answer)."""
+    return demo.build(tmp_path_factory.mktemp("random") / "demo")
 
 
 @dataclasses.dataclass(frozen=True)
