@@ -155,7 +155,13 @@ class DecodePool:
     async def _exchange(self, w: _Worker, job: str, args: dict[str, Any], data: bytes) -> Reply:
         w.jobs += 1
         try:
-            w.conn.send_bytes(json.dumps({"job": job, "args": args}).encode())
+            header: dict[str, Any] = {"job": job, "args": args}
+            if len(data) <= len(w.shm):
+                # The media goes through the worker's shared buffer, idle between jobs: one copy,
+                # and no pipe transfer that would block this event loop while the worker reads.
+                w.shm[: len(data)] = data
+                header["shm_input"], data = len(data), b""
+            w.conn.send_bytes(json.dumps(header).encode())
             w.conn.send_bytes(data)
             raw = await asyncio.wait_for(self._recv(w.conn), self.settings.timeout_s)
         except TimeoutError:

@@ -14,6 +14,7 @@ import mmap
 import os
 import socket
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -105,7 +106,7 @@ def _test_spin(args: dict[str, Any], data: bytes, out: mmap.mmap) -> dict[str, A
 
 
 def _test_echo(args: dict[str, Any], data: bytes, out: mmap.mmap) -> dict[str, Any]:
-    return {"num_bytes": len(data), "pid": os.getpid()}
+    return {"num_bytes": len(data), "crc32": zlib.crc32(data), "pid": os.getpid()}
 
 
 JOBS: dict[str, Job] = {"probe": _probe, "decode": _decode}
@@ -132,6 +133,8 @@ def _run(jobs: dict[str, Job], header: bytes, data: bytes, out: mmap.mmap) -> by
         job = jobs.get(str(msg["job"]))
         if job is None:
             return _error(Reason.INTERNAL, "unknown decode job")
+        if "shm_input" in msg:  # the media is in the shared buffer; copied out before any output
+            data = bytes(out[: min(int(msg["shm_input"]), len(out))])
         return json.dumps({"ok": job(msg["args"], data, out)}).encode()
     except VisorError as err:
         return _error(err.reason, err.message, err.detail)

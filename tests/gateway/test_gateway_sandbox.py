@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -225,3 +227,15 @@ def test_check_sandbox_cli_reports_every_protection() -> None:
     for name in ("rlimits", "no_new_privs", "seccomp", "netns", "unprivileged_uid"):
         assert name in out.stdout
     assert out.returncode == (0 if "missing" not in out.stdout else 1), out.stdout
+
+
+def test_media_reaches_the_worker_whole_through_shared_memory_or_the_pipe(
+    harness: Harness,
+) -> None:
+    """Media that fits the worker's 8 MiB buffer travels through it; larger media through the
+    pipe. Either way the worker sees exactly the bytes sent."""
+    rng = random.Random(0)
+    for size in (0, 1, 445_831, 8 * MIB, 8 * MIB + 1, 9 * MIB):
+        data = rng.randbytes(size)
+        body = harness.run("test:echo", {}, data)
+        assert (body["num_bytes"], body["crc32"]) == (size, zlib.crc32(data)), size
