@@ -12,6 +12,7 @@ import contextlib
 import io
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,17 +99,27 @@ def init_worker(max_pixels: int) -> None:
     ImageFile.LOAD_TRUNCATED_IMAGES = False
 
 
-def _open(data: bytes, fmt: str) -> Image.Image:
+@contextlib.contextmanager
+def refusals(corrupt: str) -> Iterator[None]:
+    """Turns what a decoder raises into a refusal: ours pass as they are, Pillow's bomb errors
+    are PIXEL_LIMIT, anything else is CORRUPT_MEDIA with `corrupt` as its message (only the
+    exception's type name is kept, for the log)."""
     try:
-        return Image.open(io.BytesIO(data), formats=[fmt])
+        yield
+    except VisorError:
+        raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise VisorError(
             Reason.PIXEL_LIMIT, "image exceeds the pixel limit", type(exc).__name__
         ) from None
     except Exception as exc:
-        raise VisorError(
-            Reason.CORRUPT_MEDIA, "media could not be parsed", type(exc).__name__
-        ) from None
+        raise VisorError(Reason.CORRUPT_MEDIA, corrupt, type(exc).__name__) from None
+
+
+def _open(data: bytes, fmt: str) -> Image.Image:
+    with refusals("media could not be parsed"):
+        img = Image.open(io.BytesIO(data), formats=[fmt])
+    return img
 
 
 def check_pixels(width: int, height: int, max_pixels: int, max_side: int) -> None:
@@ -126,23 +137,13 @@ def probe(data: bytes, fmt: str, max_pixels: int, max_side: int, max_frames: int
     with _open(data, fmt) as img:
         width, height = img.size
         check_pixels(width, height, max_pixels, max_side)
-        try:
+        with refusals("media could not be parsed"):
             num_frames = int(getattr(img, "n_frames", 1))
             if num_frames > max_frames:
                 raise VisorError(Reason.FRAME_LIMIT, f"frames exceed max_frames ({max_frames})")
             for index in range(1, num_frames):
                 img.seek(index)
                 check_pixels(*img.size, max_pixels, max_side)
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-            raise VisorError(
-                Reason.PIXEL_LIMIT, "a frame exceeds the pixel limit", type(exc).__name__
-            ) from None
-        except VisorError:
-            raise
-        except Exception as exc:
-            raise VisorError(
-                Reason.CORRUPT_MEDIA, "media could not be parsed", type(exc).__name__
-            ) from None
         if _orientation(img) in TRANSPOSED:
             width, height = height, width  # the grid is chosen for the upright image
         return Probe(width, height, num_frames)
@@ -162,7 +163,7 @@ def decode(data: bytes, spec: Spec) -> Decoded:
     items = []
     with _open(data, spec.fmt) as img:
         check_pixels(*img.size, spec.max_pixels, spec.max_side)
-        try:
+        with refusals("media could not be decoded"):
             if spec.fmt == "JPEG":
                 _draft(img, spec)
             for index in spec.frames:
@@ -173,12 +174,6 @@ def decode(data: bytes, spec: Spec) -> Decoded:
                 img.load()
                 decode_s += time.perf_counter() - t1
                 items.append(preprocess(_upright(img), spec))
-        except VisorError:
-            raise
-        except Exception as exc:
-            raise VisorError(
-                Reason.CORRUPT_MEDIA, "media could not be decoded", type(exc).__name__
-            ) from None
     total_s = time.perf_counter() - t0
     return Decoded(tuple(items), decode_s * 1000, (total_s - decode_s) * 1000)
 

@@ -151,7 +151,7 @@ def _open(data: bytes, fmt: str) -> Any:
             "the video refers to external data; only self-contained files are allowed",
         )
     options = MOV_OPTIONS if fmt == "MP4" else {}
-    try:
+    with decode.refusals("media could not be parsed"):
         container = av.open(
             io.BytesIO(data),
             "r",
@@ -159,10 +159,6 @@ def _open(data: bytes, fmt: str) -> Any:
             container_options=options,
             io_open=_refuse_nested_open,
         )
-    except Exception as exc:
-        raise VisorError(
-            Reason.CORRUPT_MEDIA, "media could not be parsed", type(exc).__name__
-        ) from None
     if container.format.name != DEMUXERS[fmt]:
         container.close()
         raise VisorError(Reason.UNSUPPORTED_FORMAT, "the container format is not allowed")
@@ -218,13 +214,8 @@ def _parsing(container: Any) -> Iterator[None]:
     """Closes the container; anything FFmpeg or PyAV raises that is not a refusal of ours is
     corrupt media (only the exception's type name is kept, for the log)."""
     try:
-        yield
-    except VisorError:
-        raise
-    except Exception as exc:
-        raise VisorError(
-            Reason.CORRUPT_MEDIA, "media could not be decoded", type(exc).__name__
-        ) from None
+        with decode.refusals("media could not be decoded"):
+            yield
     finally:
         container.close()
 
