@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.request
 from dataclasses import dataclass
 
 import grpc
@@ -64,3 +65,12 @@ def request(
         media=[gateway_pb2.Media(data=m) for m in media],
         params=gateway_pb2.GenerationParams(max_new_tokens=max_new_tokens, **params),  # type: ignore[arg-type]
     )
+
+
+def metric(address: str, name: str) -> float:
+    """One unlabelled sample from a service's Prometheus endpoint at `address`."""
+    body = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read()
+    for line in body.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"metric {name} not exported")

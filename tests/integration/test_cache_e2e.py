@@ -6,13 +6,12 @@ import io
 import json
 import subprocess
 import sys
-import urllib.request
 
 import numpy as np
 from PIL import Image
 
 from tests.conftest import OTHER_KEY, Stack
-from tests.helpers import DEV_KEY, generate, request
+from tests.helpers import DEV_KEY, generate, metric, request
 
 MISS_ONLY = {"image_decode", "preprocess", "transfer", "encode"}
 
@@ -25,11 +24,7 @@ def _unique_png(seed: int) -> bytes:
 
 
 def _tensor_bytes(stack: Stack) -> float:
-    body = urllib.request.urlopen(f"http://{stack.core_metrics}/metrics", timeout=5).read()
-    for line in body.decode().splitlines():
-        if line.startswith("visor_core_tensor_bytes_total "):
-            return float(line.split()[1])
-    raise AssertionError("visor_core_tensor_bytes_total not exported")
+    return metric(stack.core_metrics, "visor_core_tensor_bytes_total")
 
 
 def _ask(stack: Stack, png: bytes, key: str, prompt: str = "What is it?") -> tuple[bool, set[str]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import grpc
 import pytest
 
 from tests.conftest import SAMPLES, Stack, start_stack, stop_stack
-from tests.helpers import generate, request
+from tests.helpers import generate, metric, request
 
 
 @pytest.fixture()
@@ -19,14 +18,6 @@ def own_stack(model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
     s = start_stack(model_dir, tmp_path)
     yield s
     stop_stack(s)
-
-
-def _metric(stack: Stack, name: str) -> float:
-    body = urllib.request.urlopen(f"http://{stack.core_metrics}/metrics", timeout=5).read()
-    for line in body.decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"metric {name} not exported")
 
 
 def test_core_down_then_back(own_stack: Stack) -> None:
@@ -58,7 +49,7 @@ def long_stack(model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
 
 def test_deadline_mid_generation_stops_the_core(long_stack: Stack) -> None:
     own_stack = long_stack
-    before = _metric(own_stack, "visor_core_cancelled_generations_total")
+    before = metric(own_stack.core_metrics, "visor_core_cancelled_generations_total")
     long_req = request("Tell a long story.", max_new_tokens=4000, min_new_tokens=4000)
     out = generate(own_stack.gateway, long_req, timeout=1.5)
     assert out.code == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -66,13 +57,15 @@ def test_deadline_mid_generation_stops_the_core(long_stack: Stack) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if (
-            _metric(own_stack, "visor_core_cancelled_generations_total") > before
-            and _metric(own_stack, "visor_core_active_generations") == 0
+            metric(own_stack.core_metrics, "visor_core_cancelled_generations_total") > before
+            and metric(own_stack.core_metrics, "visor_core_active_generations") == 0
         ):
             break
         time.sleep(0.1)
-    assert _metric(own_stack, "visor_core_cancelled_generations_total") == before + 1
-    assert _metric(own_stack, "visor_core_active_generations") == 0
-    tokens = _metric(own_stack, "visor_core_generated_tokens_total")
+    assert metric(own_stack.core_metrics, "visor_core_cancelled_generations_total") == before + 1
+    assert metric(own_stack.core_metrics, "visor_core_active_generations") == 0
+    tokens = metric(own_stack.core_metrics, "visor_core_generated_tokens_total")
     time.sleep(0.5)
-    assert _metric(own_stack, "visor_core_generated_tokens_total") == tokens  # nothing runs on
+    assert (
+        metric(own_stack.core_metrics, "visor_core_generated_tokens_total") == tokens
+    )  # nothing runs on

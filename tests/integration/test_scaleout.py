@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from PIL import Image
 from shared import procs
 from shared.proto import gateway_pb2_grpc
 from tests.conftest import TENANTS_TOML, free_port
-from tests.helpers import DEV_KEY, Outcome, _reason, generate, request
+from tests.helpers import DEV_KEY, Outcome, _reason, generate, metric, request
 
 HEALTH_INTERVAL_S = 0.5
 IDS = ("core-a", "core-b", "core-c")
@@ -92,14 +91,6 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             procs.stop(p)
 
 
-def _metric(cluster: Cluster, name: str) -> float:
-    body = urllib.request.urlopen(f"http://{cluster.metrics}/metrics", timeout=5).read()
-    for line in body.decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"metric {name} not exported")
-
-
 def _png(seed: int) -> bytes:
     img = Image.new("RGB", (32, 32), ((seed * 37) % 256, (seed * 91) % 256, (seed * 13) % 256))
     buf = io.BytesIO()
@@ -152,8 +143,8 @@ def test_killing_a_core_moves_only_its_traffic(cluster: Cluster) -> None:
     time.sleep(0.5)  # the feature write runs in the background after the answer
     others = [s for s in range(20) if _served_by(cluster, _png(s)) != victim][:4]
     assert others, "no image routed to another core"
-    assert _metric(cluster, "visor_gateway_cores_healthy") == len(IDS)
-    failovers = _metric(cluster, "visor_gateway_core_failovers_total")
+    assert metric(cluster.metrics, "visor_gateway_cores_healthy") == len(IDS)
+    failovers = metric(cluster.metrics, "visor_gateway_core_failovers_total")
     started = threading.Event()
     in_flight: list[Outcome] = []
     streams = [
@@ -177,8 +168,11 @@ def test_killing_a_core_moves_only_its_traffic(cluster: Cluster) -> None:
     new_home = after.final.served_by
     # The victim is marked down by whichever fails first on it: the in-flight streams (no
     # failover: they had streamed tokens) or `after` (one failover to the next core).
-    assert _metric(cluster, "visor_gateway_core_failovers_total") in (failovers, failovers + 1)
-    assert _metric(cluster, "visor_gateway_cores_healthy") == len(IDS) - 1
+    assert metric(cluster.metrics, "visor_gateway_core_failovers_total") in (
+        failovers,
+        failovers + 1,
+    )
+    assert metric(cluster.metrics, "visor_gateway_cores_healthy") == len(IDS) - 1
     again = _ask(cluster, png)
     assert again.final is not None and again.final.served_by == new_home
     assert again.final.cache[0].hit  # the new home caches it from then on

@@ -5,7 +5,6 @@ the core encodes anything, and a full queue answers OVERLOADED."""
 from __future__ import annotations
 
 import io
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 from PIL import Image
 
 from tests.conftest import OTHER_KEY, Stack, start_stack, stop_stack
-from tests.helpers import DEV_KEY, generate, request
+from tests.helpers import DEV_KEY, generate, metric, request
 
 
 def _png(seed: int) -> bytes:
@@ -26,14 +25,6 @@ def _png(seed: int) -> bytes:
     return buf.getvalue()
 
 
-def _metric(stack: Stack, name: str) -> float:
-    body = urllib.request.urlopen(f"http://{stack.core_metrics}/metrics", timeout=5).read()
-    for line in body.decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not exported")
-
-
 HITS = "visor_core_prefix_hit_tokens_total"
 
 
@@ -41,13 +32,13 @@ def test_identical_image_and_prompt_from_two_tenants_share_no_kv_blocks(stack: S
     png, prompt = _png(11), "What colour is the circle?"
     first = generate(stack.gateway, request(prompt, media=(png,)), key=DEV_KEY)
     assert first.final is not None
-    before = _metric(stack, HITS)
+    before = metric(stack.core_metrics, HITS)
     other = generate(stack.gateway, request(prompt, media=(png,)), key=OTHER_KEY)
     assert other.final is not None
-    assert _metric(stack, HITS) == before  # tenant-b found none of dev's blocks
+    assert metric(stack.core_metrics, HITS) == before  # tenant-b found none of dev's blocks
     again = generate(stack.gateway, request("How many shapes?", media=(png,)), key=DEV_KEY)
     assert again.final is not None
-    assert _metric(stack, HITS) - before >= 128  # dev's own image blocks were reused
+    assert metric(stack.core_metrics, HITS) - before >= 128  # dev's own image blocks were reused
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +55,14 @@ def tight(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 def test_oversized_request_is_refused_before_any_compute(tight: Stack) -> None:
-    encoded = _metric(tight, "visor_core_encoder_batch_tiles_count")
+    encoded = metric(tight.core_metrics, "visor_core_encoder_batch_tiles_count")
     out = generate(tight.gateway, request("Describe it.", media=(_png(12),), max_new_tokens=200))
     assert out.code == grpc.StatusCode.RESOURCE_EXHAUSTED and out.reason == "TOKEN_BUDGET"
     assert "300" in out.message
-    assert _metric(tight, "visor_core_encoder_batch_tiles_count") == encoded  # nothing encoded
-    assert _metric(tight, "visor_core_generated_tokens_total") == 0
+    assert (
+        metric(tight.core_metrics, "visor_core_encoder_batch_tiles_count") == encoded
+    )  # nothing encoded
+    assert metric(tight.core_metrics, "visor_core_generated_tokens_total") == 0
 
 
 def test_full_queue_answers_overloaded(tight: Stack) -> None:
