@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from bench import reuse
-from bench.workload import Spec, features_for, mixed, replay, summarize
+from bench.workload import MIXED_GAP_S, Spec, features_for, mixed, replay, summarize
 from core.config import SchedulerConfig
 from core.engine import Engine
 
@@ -176,9 +176,18 @@ def _plot(path: Path, policies: dict[str, dict[str, Any]], steps: list[Any]) -> 
     fig.savefig(path, dpi=110)
 
 
-def main(model: Path, n: int, seed: int, threads: int, plot: Path | None, quiet: bool) -> int:
+def main(
+    model: Path,
+    n: int,
+    seed: int,
+    threads: int,
+    plot: Path | None,
+    gap: float | None = None,
+    quiet: bool = False,
+) -> int:
     torch.set_num_threads(threads)
-    specs = mixed(n, seed, mean_gap_s=2.0)
+    gap = MIXED_GAP_S if gap is None else gap
+    specs = mixed(n, seed, mean_gap_s=gap)
     policies, steps = {}, []
     for policy in POLICIES:
         policies[policy], log = _run_policy(model, policy, specs, threads, quiet)
@@ -194,7 +203,13 @@ def main(model: Path, n: int, seed: int, threads: int, plot: Path | None, quiet:
         "bench": "batching",
         "model": model.resolve().name,
         "threads": threads,
-        "workload": {"requests": n, "seed": seed, "kinds": _kinds(specs)},
+        "workload": {
+            "requests": n,
+            "seed": seed,
+            "mean_gap_s": gap,
+            "kinds": _kinds(specs),
+            "last_arrival_s": round(specs[-1].arrival_s, 2),
+        },
         "scheduler": {
             name: {
                 k: getattr(_config("token-budget", latency), k)

@@ -213,7 +213,7 @@ def _bench_batching(args: argparse.Namespace) -> int:
 
     logs.configure("bench", "warning")
     return batching.main(
-        Path(args.model), args.n, args.seed, args.threads, args.plot, quiet=args.json
+        Path(args.model), args.n, args.seed, args.threads, args.plot, args.gap, quiet=args.json
     )
 
 
@@ -237,6 +237,11 @@ def _add_scheduler_benches(bs: Any) -> None:
         p.add_argument("--json", action="store_true", help="no progress bars; stdout is JSON")
         if name == "batching":
             p.add_argument("--plot", type=Path, help="write a PNG chart here")
+            p.add_argument(
+                "--gap",
+                type=float,
+                help="mean seconds between arrivals in the mixed workload (default 5)",
+            )
         p.set_defaults(fn=fn)
 
 

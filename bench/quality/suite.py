@@ -18,6 +18,8 @@ from PIL import Image, ImageDraw, ImageFont
 
 SCENARIOS = ("counting", "ocr", "spatial", "attribute")
 SIZE = 224  # the demo encoder's input side: scenes need no resize on the way in
+GRID = 8  # scenes are laid out on GRID x GRID cells, one thing per cell
+CELL = SIZE // GRID  # 28 px: the demo tower's patch, so each shape or digit owns one token
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
     "green": (30, 160, 50),
@@ -88,21 +90,16 @@ def _background(rng: np.random.Generator) -> Image.Image:
     return Image.new("RGB", (SIZE, SIZE), shade)
 
 
-def _place(rng: np.random.Generator, radii: list[int], tries: int = 200) -> list[tuple[int, int]]:
-    """Centres for shapes of the given radii, apart from each other and inside the canvas."""
-    while True:
-        placed: list[tuple[int, int]] = []
-        for r in radii:
-            for _ in range(tries):
-                x, y = (int(v) for v in rng.integers(r + 4, SIZE - r - 4, 2))
-                if all(
-                    (x - px) ** 2 + (y - py) ** 2 > (r + radii[i] + 6) ** 2
-                    for i, (px, py) in enumerate(placed)
-                ):
-                    placed.append((x, y))
-                    break
-        if len(placed) == len(radii):
-            return placed
+def _place(rng: np.random.Generator, radii: list[int]) -> list[tuple[int, int]]:
+    """Centres for shapes of the given radii: each in its own cell, jittered inside it."""
+    cells = rng.choice(GRID * GRID, len(radii), replace=False)
+    out = []
+    for cell, r in zip(cells, radii, strict=True):
+        row, col = divmod(int(cell), GRID)
+        slack = CELL // 2 - r - 1
+        dx, dy = (int(v) for v in rng.integers(-slack, slack + 1, 2))
+        out.append((col * CELL + CELL // 2 + dx, row * CELL + CELL // 2 + dy))
+    return out
 
 
 def _draw(img: Image.Image, shapes: list[Shape]) -> Image.Image:
@@ -120,7 +117,7 @@ def _draw(img: Image.Image, shapes: list[Shape]) -> Image.Image:
 
 
 def _shapes(rng: np.random.Generator, kinds: list[str], colours: list[str]) -> list[Shape]:
-    radii = [int(rng.integers(12, 24)) for _ in kinds]
+    radii = [int(rng.integers(8, 13)) for _ in kinds]
     centres = _place(rng, radii)
     return [
         Shape(k, c, x, y, r) for k, c, (x, y), r in zip(kinds, colours, centres, radii, strict=True)
@@ -156,22 +153,23 @@ def _font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
 
 
 def _ocr(rng: np.random.Generator) -> Item:
+    """A number 0..99 on one row of cells, a digit per cell, dark ink in one size."""
     number = int(rng.integers(0, 100))
     img = _background(rng)
-    size = int(rng.integers(56, 88))
+    text = str(number)
+    size = int(rng.integers(22, 27))
+    font = _font(size)
     ink = tuple(int(v) for v in rng.integers(0, 90, 3))
-    half = size // 2 + 8
-    x, y = (int(v) for v in rng.integers(half + 8, SIZE - half - 8, 2))
-    text, font = str(number), _font(size)
+    row = int(rng.integers(GRID))
+    start = int(rng.integers(GRID - len(text) + 1))
     draw = ImageDraw.Draw(img)
-    draw.text((x, y), text, fill=ink, font=font, anchor="mm")
-    x0, y0, x1, y1 = (int(v) for v in draw.textbbox((x, y), text, font=font, anchor="mm"))
-    width = max(1.0, float(font.getlength(text)))
     parts = []
     for i, ch in enumerate(text):
-        a = x0 + (x1 - x0) * font.getlength(text[:i]) / width
-        b = x0 + (x1 - x0) * font.getlength(text[: i + 1]) / width
-        parts.append(Part(ch, "", (int(a), y0, int(b), y1), i + 1))
+        x = (start + i) * CELL + CELL // 2 + int(rng.integers(-2, 3))
+        y = row * CELL + CELL // 2 + int(rng.integers(-2, 3))
+        draw.text((x, y), ch, fill=ink, font=font, anchor="mm")
+        x0, y0, x1, y1 = (int(v) for v in draw.textbbox((x, y), ch, font=font, anchor="mm"))
+        parts.append(Part(ch, "", (x0, y0, x1, y1), i + 1))
     return Item("ocr", "What number is written?", text, img, tuple(parts), tuple(range(len(text))))
 
 
@@ -217,3 +215,42 @@ _BUILDERS = {
 def items_range(split: Split, seed: int, start: int, n: int) -> list[Item]:
     """Items `start` .. `start + n - 1` (training walks the stream batch by batch)."""
     return [item(split, seed, i) for i in range(start, start + n)]
+
+
+@dataclass(frozen=True, slots=True)
+class Question:
+    scenario: str  # one of SCENARIOS
+    question: str
+    answer: str
+    focus: tuple[int, ...]  # indices into the item's parts
+
+
+def questions(it: Item) -> list[Question]:
+    """Every templated question the item's scene answers without ambiguity, the item's own
+    first (training asks several about one image; evaluation asks only the item's own)."""
+    own = Question(it.scenario, it.question, it.answer, it.focus)
+    shapes = [(i, p) for i, p in enumerate(it.parts) if not p.order]
+    out = [own]
+    for kind in SHAPES:
+        of_kind = [i for i, p in shapes if p.label == kind]
+        if of_kind:
+            out.append(Question("counting", f"How many {kind}s are there?", str(len(of_kind)),
+                                tuple(of_kind)))
+        if len(of_kind) == 1:
+            colour = it.parts[of_kind[0]].colour
+            out.append(Question("attribute", f"What colour is the {kind}?", colour, tuple(of_kind)))
+    names = [(p.colour, p.label) for _, p in shapes]
+    unique = [(i, p) for i, p in shapes if names.count((p.colour, p.label)) == 1]
+    for (i, a), (j, b) in ((x, y) for x in unique for y in unique if x[0] != y[0]):
+        for relation, (axis, sign) in RELATIONS.items():
+            pa, pb = _centre(a)[axis], _centre(b)[axis]
+            if abs(pa - pb) >= 40:
+                q = f"Is the {a.colour} {a.label} {relation} the {b.colour} {b.label}?"
+                out.append(Question("spatial", q, "yes" if pa * sign > pb * sign else "no", (i, j)))
+    seen: set[str] = set()
+    return [q for q in out if not (q.question in seen or seen.add(q.question))]
+
+
+def _centre(p: Part) -> tuple[float, float]:
+    x0, y0, x1, y1 = p.box
+    return (x0 + x1) / 2, (y0 + y1) / 2

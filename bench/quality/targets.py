@@ -1,6 +1,11 @@
-"""Dense training targets: per patch of the encoder's grid, what the renderer drew there (shape
-kind, colour, object centre, digit and its place in the number), and the foreground the class
-token's attention (the `attention` pruner's score) is taught to look at.
+"""Dense training targets: per patch of the encoder's grid, what the renderer drew there and what
+the object it belongs to is (shape kind, colour, the object's centre row and column, how many
+shapes of its kind the scene holds; for text the patch's own digit, its place, and the whole
+number's first and second digit), and the foreground the class token's attention (the
+`attention` pruner's score) is taught to look at.
+
+Object-level targets on every patch of an object make each visual token self-sufficient: a
+token that survives pruning still says where its object is and how many of its kind there are.
 
 They exist only during training: an auxiliary linear head reads them off the projected visual
 tokens, and is thrown away with its loss; the checkpoint keeps the LLaVA layout. They give every
@@ -17,16 +22,23 @@ from torch import nn
 
 from bench.quality import suite
 
-# head name -> classes; class 0 is always "nothing here".
+# head name -> classes; class 0 is always "nothing here". `row`/`col` are sized for the
+# finest grid a demo tower uses (16 px patches at 224 px).
+_GRID_MAX = suite.SIZE // 16
 HEADS = {
     "kind": len(suite.SHAPES) + 2,
     "colour": len(suite.COLOURS) + 1,
-    "centre": 2,
+    "row": _GRID_MAX + 1,
+    "col": _GRID_MAX + 1,
+    "count": suite.MAX_COUNT + 1,
     "digit": 11,
     "order": 3,
+    "first": 11,
+    "second": 12,  # 1 = the number has no second digit
 }
 _COLOUR_INDEX = {c: i + 1 for i, c in enumerate(suite.COLOURS)}
 _TEXT_KIND = len(suite.SHAPES) + 1
+_H = {name: i for i, name in enumerate(HEADS)}
 
 
 def _inside(part: suite.Part, cx: np.ndarray, cy: np.ndarray) -> np.ndarray:
@@ -40,32 +52,51 @@ def _inside(part: suite.Part, cx: np.ndarray, cy: np.ndarray) -> np.ndarray:
     return box
 
 
+_SUB = 4  # samples per patch side when measuring how much of a patch a part covers
+
+
+def _covered(part: suite.Part, grid: int, patch: int) -> np.ndarray:
+    """(grid, grid) bool: the patches a quarter or more covered by `part`, and always the one
+    holding its centre, so that a part smaller than a patch still owns a token."""
+    offsets = (np.arange(_SUB) + 0.5) * patch / _SUB
+    points = (np.arange(grid)[:, None] * patch + offsets[None, :]).reshape(-1)
+    cx, cy = np.meshgrid(points, points)
+    share = _inside(part, cx, cy).reshape(grid, _SUB, grid, _SUB).mean(axis=(1, 3))
+    out = share >= 0.25
+    x0, y0, x1, y1 = part.box
+    out[min(grid - 1, int((y0 + y1) / 2 // patch)), min(grid - 1, int((x0 + x1) / 2 // patch))] = True
+    return out
+
+
 def patch_targets(item: suite.Item, grid: int, patch: int) -> np.ndarray:
     """(grid * grid, len(HEADS)) class indices, raster order."""
-    centres = (np.arange(grid) + 0.5) * patch
-    cx, cy = np.meshgrid(centres, centres)
     out = np.zeros((grid, grid, len(HEADS)), dtype=np.int64)
+    kinds = [p.label for p in item.parts if not p.order]
+    digits = sorted((p.order, int(p.label)) for p in item.parts if p.order)
+    first = digits[0][1] + 1 if digits else 0
+    second = digits[1][1] + 2 if len(digits) > 1 else 1
     for part in item.parts:
-        hit = _inside(part, cx, cy)
+        hit = _covered(part, grid, patch)
         if part.order:  # a digit
-            out[hit, 0], out[hit, 3], out[hit, 4] = _TEXT_KIND, int(part.label) + 1, part.order
+            out[hit, _H["kind"]] = _TEXT_KIND
+            out[hit, _H["digit"]] = int(part.label) + 1
+            out[hit, _H["order"]] = part.order
+            out[hit, _H["first"]], out[hit, _H["second"]] = first, second
         else:
-            out[hit, 0] = suite.SHAPES.index(part.label) + 1
-            out[hit, 1] = _COLOUR_INDEX[part.colour]
             x0, y0, x1, y1 = part.box
-            col = min(grid - 1, int((x0 + x1) / 2 // patch))
-            row = min(grid - 1, int((y0 + y1) / 2 // patch))
-            out[row, col, 2] = 1
+            out[hit, _H["kind"]] = suite.SHAPES.index(part.label) + 1
+            out[hit, _H["colour"]] = _COLOUR_INDEX[part.colour]
+            out[hit, _H["row"]] = min(grid - 1, int((y0 + y1) / 2 // patch)) + 1
+            out[hit, _H["col"]] = min(grid - 1, int((x0 + x1) / 2 // patch)) + 1
+            out[hit, _H["count"]] = min(suite.MAX_COUNT, kinds.count(part.label))
     return out.reshape(grid * grid, len(HEADS))
 
 
 def focus_mask(item: suite.Item, grid: int, patch: int) -> np.ndarray:
     """(grid * grid,) bool: the patches of what the question is about."""
-    centres = (np.arange(grid) + 0.5) * patch
-    cx, cy = np.meshgrid(centres, centres)
     out = np.zeros((grid, grid), dtype=bool)
     for i in item.focus:
-        out |= _inside(item.parts[i], cx, cy)
+        out |= _covered(item.parts[i], grid, patch)
     return out.reshape(-1)
 
 
@@ -85,6 +116,7 @@ class DenseHead(nn.Module):
     def __init__(self, hidden: int) -> None:
         super().__init__()
         self.proj = nn.Linear(hidden, sum(HEADS.values()))
+        self.accuracy: dict[str, float] = {}  # last batch, per head, over patches with a target
 
     def loss(self, feats: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # Read through an RMS normalisation, as the decoder's first layer reads the tokens: what
@@ -92,17 +124,26 @@ class DenseHead(nn.Module):
         normed = feats * torch.rsqrt(feats.pow(2).mean(-1, keepdim=True) + 1e-6)
         logits = self.proj(normed).split(list(HEADS.values()), dim=-1)
         total = feats.new_zeros(())
-        for i, head in enumerate(logits):
-            total = total + F.cross_entropy(
-                head.reshape(-1, head.shape[-1]), targets[..., i].reshape(-1)
-            )
+        for i, (name, head) in enumerate(zip(HEADS, logits, strict=True)):
+            want = targets[..., i]
+            flat, goal = head.reshape(-1, head.shape[-1]), want.reshape(-1)
+            if name == "kind":  # what is here, background included: both sides weigh the same
+                each = F.cross_entropy(flat, goal, reduction="none")
+                fg = goal > 0
+                parts = [each[m].mean() for m in (fg, ~fg) if bool(m.any())]
+                total = total + torch.stack(parts).mean()
+            elif bool((goal > 0).any()):  # what the object is: only where there is one
+                total = total + F.cross_entropy(flat, goal, ignore_index=0)
+            some = want > 0
+            if bool(some.any()):
+                self.accuracy[name] = float((head.argmax(-1) == want)[some].float().mean())
         return total / len(HEADS)
 
 
 def importance_loss(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy from the class token's attention (renormalised over patches) to the uniform
     distribution over foreground patches."""
-    fg = (targets[..., 0] > 0).float()
+    fg = (targets[..., _H["kind"]] > 0).float()
     has = fg.sum(-1) > 0
     if not bool(has.any()):
         return scores.new_zeros(())

@@ -22,7 +22,7 @@ from tests.gateway import videos
 from tests.gateway.test_gateway_hostile import assert_workers_steady
 from tests.helpers import generate, request
 
-TOKENS_PER_ITEM = 196  # one 224 px tile of 16 px patches
+TOKENS_PER_ITEM = 64  # one 224 px tile of 28 px patches
 
 
 class Listener:

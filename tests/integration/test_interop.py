@@ -28,7 +28,7 @@ def test_node_client_from_the_proto_alone(stack: Stack) -> None:
     assert "error" not in body, body
     final = body["final"]
     assert "".join(body["deltas"]) == final["text"]
-    assert final["usage"]["visual_tokens_before"] == 196
+    assert final["usage"]["visual_tokens_before"] == 64
     assert {"receive", "image_decode", "encode", "generate"} <= set(final["timings_ms"])
     denied = subprocess.run(
         [node, str(CLIENT), stack.gateway, str(SAMPLES / "shapes.png"), "What?", "wrong"],

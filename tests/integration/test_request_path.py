@@ -63,7 +63,7 @@ def test_samples_are_served(stack: Stack, name: str) -> None:
     # An animation becomes one item per sampled frame (up to [limits] max_sampled_frames = 8).
     with Image.open(io.BytesIO(data)) as img:
         items = min(int(getattr(img, "n_frames", 1)), 8)
-    assert final.usage.visual_tokens_before == 196 * items  # 224 px tiles of 16 px patches
+    assert final.usage.visual_tokens_before == 64 * items  # 224 px tiles of 28 px patches
     assert len(final.cache) == items  # hit or miss: earlier tests may have sent these samples
 
 
@@ -176,7 +176,7 @@ def test_multi_turn_conversation(stack: Stack) -> None:
     single = generate(stack.gateway, request("Which one is red?", max_new_tokens=4))
     assert single.final is not None
     assert final.usage.text_tokens > single.final.usage.text_tokens
-    assert final.usage.visual_tokens_before == 196
+    assert final.usage.visual_tokens_before == 64
 
 
 def _noise_png(side: int) -> bytes:
@@ -197,7 +197,7 @@ def test_upload_variant_serves_an_image_above_the_message_limit(stack: Stack) ->
         client.build_request("What is it?", [big], max_new_tokens=4),
         timeout=60,
     )
-    assert answer.usage["visual_tokens_before"] == 196
+    assert answer.usage["visual_tokens_before"] == 64
     assert set(answer.timings_ms) >= REQUIRED_STAGES
 
 
@@ -241,7 +241,7 @@ def test_cli_ask_json(stack: Stack) -> None:
     assert ok.returncode == 0, ok.stderr
     body = json.loads(ok.stdout)
     assert set(body) >= {"text", "usage", "timings_ms", "cache", "served_by"}
-    assert body["usage"]["visual_tokens_before"] == 196
+    assert body["usage"]["visual_tokens_before"] == 64
     bad = _cli(
         str(SAMPLES / "shapes.png"),
         "--prompt",

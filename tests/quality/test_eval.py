@@ -54,7 +54,7 @@ def test_eval_reproduces_the_readme_baseline() -> None:
     assert set(got["accuracy"]) == set(expected) == set(suite.SCENARIOS)
     for scenario, accuracy in expected.items():
         assert abs(got["accuracy"][scenario] - accuracy) <= 0.03, (scenario, got, expected)
-    assert got["visual_tokens"] == 196 and got["ttft_ms"] > 0
+    assert got["visual_tokens"] == 64 and got["ttft_ms"] > 0
     assert result["suite"] == {"spec": "synthetic", "seed": 0, "n": BASELINE_N}
 
 
@@ -89,7 +89,7 @@ def test_jsonl_suite_matches_the_synthetic_path_and_plots(tmp_path: Path) -> Non
     assert set(none["accuracy"]) == set(suite.SCENARIOS)
     for name in ("none", "balanced"):  # files on disk answer exactly as the rendered items
         assert result["profiles"][name]["accuracy"] == same["profiles"][name]["accuracy"]
-    assert none["visual_tokens"] == 196 and balanced["visual_tokens"] == 98
+    assert none["visual_tokens"] == 64 and balanced["visual_tokens"] == 32
     assert set(result["methods"]) == {*evaluate.SWEEP_METHODS, "pool"}
     assert result["methods"]["attention"]["80"]["visual_tokens"] == 39
     assert result["methods"]["pool"]["75"]["visual_tokens"] == 49

@@ -58,3 +58,41 @@ def test_attribute_answer_is_the_colour_drawn() -> None:
         it = suite.item(Split.EVAL, 0, i, "attribute")
         pixels = np.asarray(it.image).reshape(-1, 3)
         assert (pixels == suite.COLOURS[it.answer]).all(axis=1).sum() > 100
+
+
+def test_things_sit_one_per_cell() -> None:
+    # The layout the demo tower's 28 px patches rely on: every shape and digit inside one cell,
+    # no two in the same cell.
+    for i in range(60):
+        it = suite.item(Split.EVAL, 1, i)
+        cells = []
+        for p in it.parts:
+            x0, y0, x1, y1 = p.box
+            assert x0 // suite.CELL == (x1 - 1) // suite.CELL, (it.question, p)
+            assert y0 // suite.CELL == (y1 - 1) // suite.CELL, (it.question, p)
+            cells.append((x0 // suite.CELL, y0 // suite.CELL))
+        assert len(set(cells)) == len(cells)
+
+
+def test_extra_questions_agree_with_the_scene() -> None:
+    for i in range(80):
+        it = suite.item(Split.TRAIN, 2, i)
+        qs = suite.questions(it)
+        assert (qs[0].question, qs[0].answer) == (it.question, it.answer)
+        assert len({q.question for q in qs}) == len(qs)
+        shapes = [p for p in it.parts if not p.order]
+        for q in qs[1:]:
+            named = [it.parts[j] for j in q.focus]
+            if q.scenario == "counting":
+                kind = q.question.split()[2][:-1]  # "How many circles are there?"
+                assert int(q.answer) == sum(p.label == kind for p in shapes) == len(named)
+            elif q.scenario == "attribute":
+                assert [p.colour for p in named] == [q.answer]
+                assert sum(p.label == named[0].label for p in shapes) == 1
+            else:
+                a, b = named
+                assert f"{a.colour} {a.label}" in q.question and f"{b.colour} {b.label}" in q.question
+                relation = next(r for r in suite.RELATIONS if f" {r} " in q.question)
+                axis, sign = suite.RELATIONS[relation]
+                ca, cb = ((p.box[axis] + p.box[axis + 2]) / 2 for p in (a, b))
+                assert (q.answer == "yes") == (ca * sign > cb * sign)

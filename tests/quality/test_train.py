@@ -29,7 +29,9 @@ def test_batched_training_forward_matches_the_engine_path(tmp_path: Path) -> Non
     with torch.no_grad():
         feats = model.encode_images(model.normalize(pixels))
         eos = model.cfg.text.eos_token_id[0]
-        ids, labels = train.batch_ids(tok, items, feats.shape[1], eos, 0)
+        convs = [train.conversation(it, np.random.default_rng(i), 3) for i, it in enumerate(items)]
+        assert all(c[0].question == it.question for c, it in zip(convs, items, strict=True))
+        ids, labels = train.batch_ids(tok, convs, feats.shape[1], eos, 0)
         is_image = ids == model.cfg.image_token_id
         embeds = model.language_model.embed_tokens(ids.masked_fill(is_image, 0))
         embeds = embeds.masked_scatter(is_image[..., None], feats.reshape(-1, feats.shape[-1]))
@@ -44,6 +46,8 @@ def test_batched_training_forward_matches_the_engine_path(tmp_path: Path) -> Non
                 model.embed(torch.tensor(prompt), feats[i]), model.new_cache()
             )
             torch.testing.assert_close(batched[i, len(prompt) - 1], single, atol=1e-4, rtol=1e-4)
+            # Every answer of the conversation is labelled: its tokens and an eos each.
+            assert int((labels[i] == eos).sum()) == len(convs[i])
 
 
 def test_a_short_training_run_writes_a_trained_llava_checkpoint(tmp_path: Path) -> None:
