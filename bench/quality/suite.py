@@ -234,8 +234,11 @@ def questions(it: Item) -> list[Question]:
     for kind in SHAPES:
         of_kind = [i for i, p in shapes if p.label == kind]
         if of_kind:
-            out.append(Question("counting", f"How many {kind}s are there?", str(len(of_kind)),
-                                tuple(of_kind)))
+            out.append(
+                Question(
+                    "counting", f"How many {kind}s are there?", str(len(of_kind)), tuple(of_kind)
+                )
+            )
         if len(of_kind) == 1:
             colour = it.parts[of_kind[0]].colour
             out.append(Question("attribute", f"What colour is the {kind}?", colour, tuple(of_kind)))

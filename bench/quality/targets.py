@@ -64,7 +64,9 @@ def _covered(part: suite.Part, grid: int, patch: int) -> np.ndarray:
     share = _inside(part, cx, cy).reshape(grid, _SUB, grid, _SUB).mean(axis=(1, 3))
     out = share >= 0.25
     x0, y0, x1, y1 = part.box
-    out[min(grid - 1, int((y0 + y1) / 2 // patch)), min(grid - 1, int((x0 + x1) / 2 // patch))] = True
+    out[min(grid - 1, int((y0 + y1) / 2 // patch)), min(grid - 1, int((x0 + x1) / 2 // patch))] = (
+        True
+    )
     return out
 
 
@@ -92,17 +94,21 @@ def patch_targets(item: suite.Item, grid: int, patch: int) -> np.ndarray:
     return out.reshape(grid * grid, len(HEADS))
 
 
-def focus_mask(item: suite.Item, grid: int, patch: int) -> np.ndarray:
-    """(grid * grid,) bool: the patches of what the question is about."""
+def focus_mask(
+    item: suite.Item, grid: int, patch: int, focus: tuple[int, ...] | None = None
+) -> np.ndarray:
+    """(grid * grid,) bool: the patches of what a question is about (the item's own unless
+    `focus` names parts)."""
     out = np.zeros((grid, grid), dtype=bool)
-    for i in item.focus:
+    for i in item.focus if focus is None else focus:
         out |= _covered(item.parts[i], grid, patch)
     return out.reshape(-1)
 
 
 def retrieval_loss(probs: torch.Tensor, relevant: torch.Tensor) -> torch.Tensor:
-    """-log of the attention mass a probe head puts on the relevant visual tokens (rows with
-    none left after compression are skipped)."""
+    """-log of the attention mass a probe head puts on the relevant keys (visual tokens, or a
+    question's words), per query; queries with none (or none left after compression) are
+    skipped."""
     has = relevant.any(-1)
     if not bool(has.any()):
         return probs.new_zeros(())

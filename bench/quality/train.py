@@ -6,10 +6,11 @@ sees exactly the training format; the loss covers the answer tokens and the end-
 only. Two stages: first the tower and projector alone learn the per-patch targets of
 `bench.quality.targets` (what is drawn where; the class token's attention on the foreground), then
 everything trains on the answers with those targets kept as auxiliary losses, plus one decoder head
-taught to look at the objects the question names. To make the model robust to visual-token
-compression, most second-stage batches reach the decoder through one of the compressions the core
-applies (random, attention-, entropy- or mixed-rank pruning at a random keep fraction, or 2x2
-pooling); the rest see every token.
+taught, at each word that names something (the shape noun; "number"), to look at the visual tokens
+of what it names: a one-hop lookup the words then carry to the answer. To make the model robust
+to visual-token compression, most second-stage batches reach the decoder through one of the
+compressions the core applies (random, attention-, entropy- or mixed-rank pruning at a random keep
+fraction, or 2x2 pooling); the rest see every token.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ class TrainConfig:
     jpeg_fraction: float = 0.2  # share of images re-encoded as JPEG (robust to lossy uploads)
     dense_weight: float = 1.0  # weight of the per-patch auxiliary loss (see bench.quality.targets)
     importance_weight: float = 0.2  # weight of the class-token attention target
-    retrieval_weight: float = 0.5  # weight of the probe head's attention target
-    probe_layer: int = 1  # decoder layer whose head 0 is taught to look at the asked objects
+    retrieval_weight: float = 1.0  # weight of the probe head's attention target
+    probe_layer: int = 0  # decoder layer whose head 0 looks, at the anchor words, at what they name
     questions: int = 4  # questions asked about each training image, its own first
 
     def validate(self) -> None:
@@ -86,7 +87,22 @@ def compress(
     full: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, N, H) features -> (B, K, H): one compression for the whole batch, kept tokens in
-    raster order, as the core's compression keeps them; `relevant` (B, N) follows the tokens."""
+    raster order, as the core's compression keeps them; `relevant` (B, ..., N), masks over the
+    tokens (per question and probed head), follows the tokens."""
+    b, n, _ = feats.shape
+    lead = relevant.shape[1:-1]
+    relevant = relevant.reshape(b, -1, n)
+    kept, rel = _compress(feats, scores, relevant, rng, full)
+    return kept, rel.reshape(b, *lead, rel.shape[-1])
+
+
+def _compress(
+    feats: torch.Tensor,
+    scores: torch.Tensor,
+    relevant: torch.Tensor,
+    rng: np.random.Generator,
+    full: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     b, n, _ = feats.shape
     mode = rng.random()
     if mode < full:
@@ -94,7 +110,8 @@ def compress(
     if mode < full + 0.12:
         side = math.isqrt(n)
         grid = feats.view(b, side, side, -1).permute(0, 3, 1, 2)
-        pooled_rel = F.max_pool2d(relevant.view(b, 1, side, side).float(), 2).flatten(1) > 0
+        masks = relevant.reshape(-1, 1, side, side).float()
+        pooled_rel = F.max_pool2d(masks, 2).reshape(b, relevant.shape[1], -1) > 0
         return F.avg_pool2d(grid, 2).flatten(2).transpose(1, 2), pooled_rel
     keep = max(1, round(n * float(rng.uniform(0.2, 0.9))))
     # Mostly the informed rankings the profiles use; random (the evaluation's baseline) rarely.
@@ -110,7 +127,7 @@ def compress(
             )
         index = score.topk(keep, dim=-1).indices.sort(dim=-1).values
     kept = feats.gather(1, index[..., None].expand(-1, -1, feats.shape[-1]))
-    return kept, relevant.gather(1, index)
+    return kept, relevant.gather(2, index[:, None, :].expand(-1, relevant.shape[1], -1))
 
 
 def conversation(it: suite.Item, rng: np.random.Generator, most: int) -> list[suite.Question]:
@@ -163,25 +180,83 @@ def batch_ids(
     return ids, lab_t
 
 
+def anchors(it: suite.Item, q: suite.Question) -> list[tuple[str, tuple[int, ...]]]:
+    """The words of a question that name what it asks about, in order, each with the parts it
+    names: the shape noun (both nouns of a spatial question, each naming its own shape) or, for
+    OCR, "number" naming every digit. The retrieval target is taught at these words."""
+    if q.scenario == "ocr":
+        return [(" number", q.focus)]
+    if q.scenario == "spatial":
+        return [(" " + it.parts[i].label, (i,)) for i in q.focus]
+    label = it.parts[q.focus[0]].label
+    return [(f" {label}s" if q.scenario == "counting" else f" {label}", q.focus)]
+
+
+def anchor_masks(
+    items: list[suite.Item], convs: list[list[suite.Question]], grid: int, patch: int
+) -> torch.Tensor:
+    """(B, A, grid * grid): per row, the patches each anchor word names, in conversation order;
+    rows with fewer anchors are padded with empty masks (which the loss skips)."""
+    pairs = zip(items, convs, strict=True)
+    named = [[parts for q in conv for _, parts in anchors(it, q)] for it, conv in pairs]
+    out = np.zeros((len(items), max(1, max(map(len, named))), grid * grid), dtype=bool)
+    for i, (it, row) in enumerate(zip(items, named, strict=True)):
+        for j, parts in enumerate(row):
+            out[i, j] = targets.focus_mask(it, grid, patch, parts)
+    return torch.from_numpy(out)
+
+
+def anchor_positions(
+    tok: ChatTokenizer,
+    items: list[suite.Item],
+    convs: list[list[suite.Question]],
+    ids: torch.Tensor,
+    width: int,
+) -> torch.Tensor:
+    """(B, width): where each anchor word sits in `ids` (searched in order, each after the one
+    before), matching `anchor_masks`; -1 where a row has no such anchor."""
+    out = torch.full((len(items), width), -1, dtype=torch.long)
+    for i, (row, it, conv) in enumerate(zip(ids.tolist(), items, convs, strict=True)):
+        found = _find(tok, row, [word for q in conv for word, _ in anchors(it, q)])
+        out[i, : len(found)] = torch.tensor(found, dtype=torch.long)
+    return out
+
+
+def _find(tok: ChatTokenizer, row: list[int], words: list[str]) -> list[int]:
+    """Positions of `words` (by their last token) in `row`, each searched after the one before;
+    stops at the first missing (the conversation was cut short, see batch_ids)."""
+    out, at = [], 0
+    for word in words:
+        token = tok.tok.encode(word, add_special_tokens=False).ids[-1]
+        if token not in row[at:]:
+            break
+        at = row.index(token, at)
+        out.append(at)
+        at += 1
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class Probe:
-    """Which attention to read out: one head of one layer, from one query position per row."""
+    """Which attention to read out: one head of one layer, from A query positions per row,
+    over a range of key positions."""
 
     layer: int  # decoder layer
-    queries: torch.Tensor  # (B,) position whose attention is read
-    keys: slice  # key positions returned (the visual tokens)
+    head: int  # query head
+    queries: torch.Tensor  # (B, A) positions whose attention is read
+    keys: slice  # key positions returned
 
 
 def decoder_logits(
-    model: Llava, embeds: torch.Tensor, probe: Probe | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    model: Llava, embeds: torch.Tensor, probes: tuple[Probe, ...] = ()
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The decoder over a (B, T, H) right-padded batch: the same modules and arithmetic as
     `Decoder.forward` for one sequence (causal attention, so padding never reaches a real token).
-    With a probe, also head 0's attention probabilities at the probe's queries over its keys."""
+    Also, per probe, its head's attention probabilities at its queries over its keys."""
     dec = model.language_model
     b, t, _ = embeds.shape
     cos, sin = dec.rotary(torch.arange(t))
-    x, probs = embeds, None
+    x, probs = embeds, [torch.empty(0)] * len(probes)
     for i, layer in enumerate(dec.layers):
         assert isinstance(layer, DecoderLayer) and isinstance(layer.self_attn, Attention)
         attn = layer.self_attn
@@ -190,8 +265,9 @@ def decoder_logits(
         k = attn.k_proj(h).view(b, t, attn.num_kv, attn.head_dim).transpose(1, 2)
         v = attn.v_proj(h).view(b, t, attn.num_kv, attn.head_dim).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        if probe is not None and i == probe.layer:
-            probs = _head0_probs(q, k, probe)
+        for n, probe in enumerate(probes):
+            if i == probe.layer:
+                probs[n] = _head_probs(q, k, probe)
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=attn.num_kv != attn.num_heads
         )
@@ -200,13 +276,14 @@ def decoder_logits(
     return model.lm_head(dec.norm(x)), probs
 
 
-def _head0_probs(q: torch.Tensor, k: torch.Tensor, probe: Probe) -> torch.Tensor:
-    rows = torch.arange(q.shape[0])
-    query = q[rows, 0, probe.queries]  # (B, d)
-    logits = (k[:, 0] @ query[..., None])[..., 0] * q.shape[-1] ** -0.5  # (B, T)
-    later = torch.arange(k.shape[2])[None, :] > probe.queries[:, None]
+def _head_probs(q: torch.Tensor, k: torch.Tensor, probe: Probe) -> torch.Tensor:
+    rows = torch.arange(q.shape[0])[:, None]
+    query = q[rows, probe.head, probe.queries]  # (B, A, d)
+    key = k[:, probe.head // (q.shape[1] // k.shape[1])]  # its key-value group's keys
+    logits = (query @ key.transpose(1, 2)) * q.shape[-1] ** -0.5  # (B, A, T)
+    later = torch.arange(k.shape[2])[None, None, :] > probe.queries[..., None]
     probs = torch.softmax(logits.masked_fill(later, float("-inf")), dim=-1)
-    return probs[:, probe.keys]
+    return probs[..., probe.keys]  # (B, A, visual tokens)
 
 
 def step_loss(
@@ -232,28 +309,24 @@ def step_loss(
     aux = aux + cfg.importance_weight * targets.importance_loss(scores, dense)
     if vision_only:
         return aux, torch.zeros(len(items), dtype=torch.bool)
-    focus = torch.from_numpy(
-        np.stack([targets.focus_mask(it, grid, vc.patch_size) for it in items])
-    )
-    visual, relevant = compress(feats, scores, focus, rng, cfg.full_fraction)
+    convs = [conversation(it, rng, cfg.questions) for it in items]
     text = model.cfg.text
     eos = text.eos_token_id[0]
-    convs = [conversation(it, rng, cfg.questions) for it in items]
+    focus = anchor_masks(items, convs, grid, vc.patch_size)
+    visual, relevant = compress(feats, scores, focus, rng, cfg.full_fraction)
     ids, labels = batch_ids(tok, convs, visual.shape[1], eos, _pad_id(tok))
+    where = anchor_positions(tok, items, convs, ids, focus.shape[1])
+    relevant = relevant & (where >= 0)[..., None]
+    where = where.clamp_min(0)
     is_image = ids == model.cfg.image_token_id
     embeds = model.language_model.embed_tokens(ids.masked_fill(is_image, 0))
     embeds = embeds.masked_scatter(
         is_image[..., None], visual.reshape(-1, visual.shape[-1]).to(embeds.dtype)
     )
     first = int(is_image[0].float().argmax())
-    probe = Probe(
-        cfg.probe_layer,
-        (labels != IGNORE).float().argmax(dim=1) - 1,
-        slice(first, first + visual.shape[1]),
-    )
-    logits, probs = decoder_logits(model, embeds, probe)
-    assert probs is not None
-    aux = aux + cfg.retrieval_weight * targets.retrieval_loss(probs, relevant)
+    probe = Probe(cfg.probe_layer, 0, where, slice(first, first + visual.shape[1]))
+    logits, (retrieved,) = decoder_logits(model, embeds, (probe,))
+    aux = aux + cfg.retrieval_weight * targets.retrieval_loss(retrieved, relevant)
     logits = logits[:, :-1]
     target = labels[:, 1:]
     loss = F.cross_entropy(
@@ -262,8 +335,8 @@ def step_loss(
     # The first answer (the item's own question, as evaluation asks it): its tokens are the
     # labels before the first eos label, that eos included.
     ends = (target == eos).long()
-    first = (target != IGNORE) & ((ends.cumsum(1) - ends) == 0)
-    hit = (logits.argmax(-1) == target) | ~first
+    own = (target != IGNORE) & ((ends.cumsum(1) - ends) == 0)
+    hit = (logits.argmax(-1) == target) | ~own
     return loss + aux, hit.all(dim=1)
 
 

@@ -71,6 +71,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "num_key_value_heads": 4,
         },
         "vocab_size": 2048,
+        "vision_feature_layer": -2,  # llava-hf's default: the penultimate layer
     },
 }
 _WORDS = [

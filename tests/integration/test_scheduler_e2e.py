@@ -38,7 +38,8 @@ def test_identical_image_and_prompt_from_two_tenants_share_no_kv_blocks(stack: S
     assert metric(stack.core_metrics, HITS) == before  # tenant-b found none of dev's blocks
     again = generate(stack.gateway, request("How many shapes?", media=(png,)), key=DEV_KEY)
     assert again.final is not None
-    assert metric(stack.core_metrics, HITS) - before >= 128  # dev's own image blocks were reused
+    # dev's own blocks up to the question were reused: 64 visual tokens make at least 4 full blocks
+    assert metric(stack.core_metrics, HITS) - before >= 64
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def tight(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     s = start_stack(  # a one-at-a-time core with a tiny queue and a tiny per-request cap
         model_dir,
         tmp_path_factory.mktemp("tight"),
-        VISOR_SCHEDULER_MAX_REQUEST_TOKENS="300",
+        VISOR_SCHEDULER_MAX_REQUEST_TOKENS="250",
         VISOR_SCHEDULER_POLICY="none",
         VISOR_SCHEDULER_MAX_WAITING="1",
     )
@@ -58,7 +59,7 @@ def test_oversized_request_is_refused_before_any_compute(tight: Stack) -> None:
     encoded = metric(tight.core_metrics, "visor_core_encoder_batch_tiles_count")
     out = generate(tight.gateway, request("Describe it.", media=(_png(12),), max_new_tokens=200))
     assert out.code == grpc.StatusCode.RESOURCE_EXHAUSTED and out.reason == "TOKEN_BUDGET"
-    assert "300" in out.message
+    assert "250" in out.message
     assert (
         metric(tight.core_metrics, "visor_core_encoder_batch_tiles_count") == encoded
     )  # nothing encoded

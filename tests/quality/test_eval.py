@@ -91,8 +91,8 @@ def test_jsonl_suite_matches_the_synthetic_path_and_plots(tmp_path: Path) -> Non
         assert result["profiles"][name]["accuracy"] == same["profiles"][name]["accuracy"]
     assert none["visual_tokens"] == 64 and balanced["visual_tokens"] == 32
     assert set(result["methods"]) == {*evaluate.SWEEP_METHODS, "pool"}
-    assert result["methods"]["attention"]["80"]["visual_tokens"] == 39
-    assert result["methods"]["pool"]["75"]["visual_tokens"] == 49
+    assert result["methods"]["attention"]["80"]["visual_tokens"] == 13
+    assert result["methods"]["pool"]["75"]["visual_tokens"] == 16
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

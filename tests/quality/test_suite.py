@@ -91,7 +91,9 @@ def test_extra_questions_agree_with_the_scene() -> None:
                 assert sum(p.label == named[0].label for p in shapes) == 1
             else:
                 a, b = named
-                assert f"{a.colour} {a.label}" in q.question and f"{b.colour} {b.label}" in q.question
+                assert (
+                    f"{a.colour} {a.label}" in q.question and f"{b.colour} {b.label}" in q.question
+                )
                 relation = next(r for r in suite.RELATIONS if f" {r} " in q.question)
                 axis, sign = suite.RELATIONS[relation]
                 ca, cb = ((p.box[axis] + p.box[axis + 2]) / 2 for p in (a, b))

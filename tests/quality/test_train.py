@@ -50,6 +50,31 @@ def test_batched_training_forward_matches_the_engine_path(tmp_path: Path) -> Non
             assert int((labels[i] == eos).sum()) == len(convs[i])
 
 
+def test_anchor_words_are_found_and_name_their_shapes(tmp_path: Path) -> None:
+    out = demo.build(tmp_path / "m", seed=0)
+    tok = ChatTokenizer(out, llava.load(out).cfg.image_token_id)
+    items = suite.items(suite.Split.TRAIN, 1, 12)
+    convs = [train.conversation(it, np.random.default_rng(i), 4) for i, it in enumerate(items)]
+    grid, patch = 8, suite.CELL
+    masks = train.anchor_masks(items, convs, grid, patch)
+    ids, _ = train.batch_ids(tok, convs, grid * grid, 2, 0)
+    where = train.anchor_positions(tok, items, convs, ids, masks.shape[1])
+    for i, (it, conv) in enumerate(zip(items, convs, strict=True)):
+        named = [(word, parts) for q in conv for word, parts in train.anchors(it, q)]
+        assert (where[i, : len(named)] >= 0).all() and (where[i, len(named) :] == -1).all()
+        for j, (word, parts) in enumerate(named):
+            assert tok.tok.decode([int(ids[i, where[i, j]])]) == word  # the naming word itself
+            cells = {
+                int((p.box[1] + p.box[3]) / 2 // patch) * grid
+                + int((p.box[0] + p.box[2]) / 2 // patch)
+                for p in (it.parts[k] for k in parts)
+            }
+            assert {int(c) for c in masks[i, j].nonzero()} >= cells  # its shapes' own cells
+            if it.parts[parts[0]].order == 0:  # a shape noun names shapes of that kind only
+                assert {it.parts[k].label for k in parts} == {word.strip().removesuffix("s")}
+        assert not masks[i, len(named) :].any()
+
+
 def test_a_short_training_run_writes_a_trained_llava_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "trained"
     cmd = [sys.executable, "-m", "shared.cli", "model", "train-demo", "--out", str(out)]
