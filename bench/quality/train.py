@@ -87,22 +87,8 @@ def compress(
     full: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, N, H) features -> (B, K, H): one compression for the whole batch, kept tokens in
-    raster order, as the core's compression keeps them; `relevant` (B, ..., N), masks over the
-    tokens (per question and probed head), follows the tokens."""
-    b, n, _ = feats.shape
-    lead = relevant.shape[1:-1]
-    relevant = relevant.reshape(b, -1, n)
-    kept, rel = _compress(feats, scores, relevant, rng, full)
-    return kept, rel.reshape(b, *lead, rel.shape[-1])
-
-
-def _compress(
-    feats: torch.Tensor,
-    scores: torch.Tensor,
-    relevant: torch.Tensor,
-    rng: np.random.Generator,
-    full: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    raster order, as the core's compression keeps them; `relevant` (B, A, N), masks over the
+    tokens (one per anchor word), follows the tokens."""
     b, n, _ = feats.shape
     mode = rng.random()
     if mode < full:
