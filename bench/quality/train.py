@@ -203,46 +203,37 @@ def anchor_positions(
     before), matching `anchor_masks`; -1 where a row has no such anchor."""
     out = torch.full((len(items), width), -1, dtype=torch.long)
     for i, (row, it, conv) in enumerate(zip(ids.tolist(), items, convs, strict=True)):
-        found = _find(tok, row, [word for q in conv for word, _ in anchors(it, q)])
-        out[i, : len(found)] = torch.tensor(found, dtype=torch.long)
-    return out
-
-
-def _find(tok: ChatTokenizer, row: list[int], words: list[str]) -> list[int]:
-    """Positions of `words` (by their last token) in `row`, each searched after the one before;
-    stops at the first missing (the conversation was cut short, see batch_ids)."""
-    out, at = [], 0
-    for word in words:
-        token = tok.tok.encode(word, add_special_tokens=False).ids[-1]
-        if token not in row[at:]:
-            break
-        at = row.index(token, at)
-        out.append(at)
-        at += 1
+        at = 0
+        for j, (word, _) in enumerate(w for q in conv for w in anchors(it, q)):
+            token = tok.tok.encode(word, add_special_tokens=False).ids[-1]
+            if token not in row[at:]:
+                break  # the conversation was cut short (see batch_ids)
+            at = row.index(token, at)
+            out[i, j] = at
+            at += 1
     return out
 
 
 @dataclass(frozen=True, slots=True)
 class Probe:
-    """Which attention to read out: one head of one layer, from A query positions per row,
-    over a range of key positions."""
+    """Which attention to read out: head 0 of one layer, from A query positions per row (the
+    anchor words), over the visual tokens."""
 
     layer: int  # decoder layer
-    head: int  # query head
     queries: torch.Tensor  # (B, A) positions whose attention is read
-    keys: slice  # key positions returned
+    keys: slice  # key positions returned (the visual tokens)
 
 
 def decoder_logits(
-    model: Llava, embeds: torch.Tensor, probes: tuple[Probe, ...] = ()
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model: Llava, embeds: torch.Tensor, probe: Probe | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The decoder over a (B, T, H) right-padded batch: the same modules and arithmetic as
     `Decoder.forward` for one sequence (causal attention, so padding never reaches a real token).
-    Also, per probe, its head's attention probabilities at its queries over its keys."""
+    With a probe, also head 0's attention probabilities at the probe's queries over its keys."""
     dec = model.language_model
     b, t, _ = embeds.shape
     cos, sin = dec.rotary(torch.arange(t))
-    x, probs = embeds, [torch.empty(0)] * len(probes)
+    x, probs = embeds, None
     for i, layer in enumerate(dec.layers):
         assert isinstance(layer, DecoderLayer) and isinstance(layer.self_attn, Attention)
         attn = layer.self_attn
@@ -251,9 +242,8 @@ def decoder_logits(
         k = attn.k_proj(h).view(b, t, attn.num_kv, attn.head_dim).transpose(1, 2)
         v = attn.v_proj(h).view(b, t, attn.num_kv, attn.head_dim).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        for n, probe in enumerate(probes):
-            if i == probe.layer:
-                probs[n] = _head_probs(q, k, probe)
+        if probe is not None and i == probe.layer:
+            probs = _head0_probs(q, k, probe)
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=attn.num_kv != attn.num_heads
         )
@@ -262,11 +252,10 @@ def decoder_logits(
     return model.lm_head(dec.norm(x)), probs
 
 
-def _head_probs(q: torch.Tensor, k: torch.Tensor, probe: Probe) -> torch.Tensor:
+def _head0_probs(q: torch.Tensor, k: torch.Tensor, probe: Probe) -> torch.Tensor:
     rows = torch.arange(q.shape[0])[:, None]
-    query = q[rows, probe.head, probe.queries]  # (B, A, d)
-    key = k[:, probe.head // (q.shape[1] // k.shape[1])]  # its key-value group's keys
-    logits = (query @ key.transpose(1, 2)) * q.shape[-1] ** -0.5  # (B, A, T)
+    query = q[rows, 0, probe.queries]  # (B, A, d)
+    logits = (query @ k[:, 0].transpose(1, 2)) * q.shape[-1] ** -0.5  # (B, A, T)
     later = torch.arange(k.shape[2])[None, None, :] > probe.queries[..., None]
     probs = torch.softmax(logits.masked_fill(later, float("-inf")), dim=-1)
     return probs[..., probe.keys]  # (B, A, visual tokens)
@@ -310,9 +299,10 @@ def step_loss(
         is_image[..., None], visual.reshape(-1, visual.shape[-1]).to(embeds.dtype)
     )
     first = int(is_image[0].float().argmax())
-    probe = Probe(cfg.probe_layer, 0, where, slice(first, first + visual.shape[1]))
-    logits, (retrieved,) = decoder_logits(model, embeds, (probe,))
-    aux = aux + cfg.retrieval_weight * targets.retrieval_loss(retrieved, relevant)
+    probe = Probe(cfg.probe_layer, where, slice(first, first + visual.shape[1]))
+    logits, probs = decoder_logits(model, embeds, probe)
+    assert probs is not None
+    aux = aux + cfg.retrieval_weight * targets.retrieval_loss(probs, relevant)
     logits = logits[:, :-1]
     target = labels[:, 1:]
     loss = F.cross_entropy(
