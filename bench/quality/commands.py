@@ -31,11 +31,12 @@ def add_eval(sub: Any) -> None:
 def add_train(model_sub: Any) -> None:
     t = model_sub.add_parser("train-demo", help="train the demo model on the synthetic suite")
     t.add_argument("--out", default="models/demo")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--steps", type=int, default=3000, help="optimiser steps (schedule length)")
-    t.add_argument("--vision-steps", type=int, default=500, help="first stage (dense targets)")
-    t.add_argument("--minutes", type=float, default=30.0, help="wall-clock cap")
-    t.add_argument("--threads", type=int, default=1, help="torch threads")
+    # Unset options take train.TrainConfig's defaults: the committed model's recipe.
+    t.add_argument("--seed", type=int)
+    t.add_argument("--steps", type=int, help="optimiser steps (schedule length)")
+    t.add_argument("--vision-steps", type=int, help="first stage (dense targets)")
+    t.add_argument("--minutes", type=float, help="wall-clock cap")
+    t.add_argument("--threads", type=int, help="torch threads")
     t.set_defaults(fn=_train)
 
 
@@ -78,13 +79,8 @@ def _run_eval(args: argparse.Namespace, evaluate: Any) -> dict[str, Any]:
 def _train(args: argparse.Namespace) -> int:
     from bench.quality import train
 
-    cfg = train.TrainConfig(
-        seed=args.seed,
-        steps=args.steps,
-        vision_steps=args.vision_steps,
-        minutes=args.minutes,
-        threads=args.threads,
-    )
+    given = {k: getattr(args, k) for k in ("seed", "steps", "vision_steps", "minutes", "threads")}
+    cfg = train.TrainConfig(**{k: v for k, v in given.items() if v is not None})
     recipe = train.train(Path(args.out), cfg)
     print(json.dumps(recipe))
     return 0

@@ -246,7 +246,7 @@ def questions(it: Item) -> list[Question]:
     unique = [(i, p) for i, p in shapes if names.count((p.colour, p.label)) == 1]
     for (i, a), (j, b) in ((x, y) for x in unique for y in unique if x[0] != y[0]):
         for relation, (axis, sign) in RELATIONS.items():
-            pa, pb = _centre(a)[axis], _centre(b)[axis]
+            pa, pb = centre(a)[axis], centre(b)[axis]
             if abs(pa - pb) >= 40:
                 q = f"Is the {a.colour} {a.label} {relation} the {b.colour} {b.label}?"
                 out.append(Question("spatial", q, "yes" if pa * sign > pb * sign else "no", (i, j)))
@@ -254,6 +254,6 @@ def questions(it: Item) -> list[Question]:
     return [q for q in out if not (q.question in seen or seen.add(q.question))]
 
 
-def _centre(p: Part) -> tuple[float, float]:
+def centre(p: Part) -> tuple[float, float]:
     x0, y0, x1, y1 = p.box
     return (x0 + x1) / 2, (y0 + y1) / 2

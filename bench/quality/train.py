@@ -5,12 +5,16 @@ The prompt goes through the core's own chat template (`ChatTokenizer.encode_chat
 sees exactly the training format; the loss covers the answer tokens and the end-of-sequence token
 only. Two stages: first the tower and projector alone learn the per-patch targets of
 `bench.quality.targets` (what is drawn where; the class token's attention on the foreground), then
-everything trains on the answers with those targets kept as auxiliary losses, plus one decoder head
-taught, at each word that names something (the shape noun; "number"), to look at the visual tokens
-of what it names: a one-hop lookup the words then carry to the answer. To make the model robust
-to visual-token compression, most second-stage batches reach the decoder through one of the
-compressions the core applies (random, attention-, entropy- or mixed-rank pruning at a random keep
-fraction, or 2x2 pooling); the rest see every token.
+everything trains on the answers with those targets kept as auxiliary losses, plus three hints at
+how to route: head 0 of decoder layer 0 is taught, at each word that names something (the shape
+noun; "number"), to look at the visual tokens of what it names; at a spatial question's second
+noun, the output of layer 1 is taught the relation (`targets.RelationHead`: which shape is left
+of and above the other, and the answer), so that layer 1 brings the first noun's position there;
+and head 0 of layer 2 is taught, where each answer starts, to read the question's last naming
+word, where all of that now sits. To make the model robust to visual-token compression, most
+second-stage batches reach the decoder through one of the compressions the core applies (random,
+attention-, entropy- or mixed-rank pruning at a random keep fraction, or 2x2 pooling); the rest
+see every token.
 """
 
 from __future__ import annotations
@@ -38,20 +42,24 @@ IGNORE = -100
 
 @dataclass(frozen=True, slots=True)
 class TrainConfig:
+    # The defaults are the committed models/demo's recipe (27.5 min on the 2-core dev VM).
     seed: int = 0  # weights, data order and augmentation
-    steps: int = 3000  # optimiser steps (the schedule's length), both stages
-    vision_steps: int = 500  # first stage: the tower and projector on the dense targets alone
-    minutes: float = 30.0  # wall-clock cap; training stops early (and says so) past it
+    steps: int = 3800  # optimiser steps (the schedule's length), both stages
+    vision_steps: int = 400  # first stage: the tower and projector on the dense targets alone
+    minutes: float = 29.5  # wall-clock cap; training stops early (and says so) past it
     batch_size: int = 32  # sequences per step
     lr: float = 1.5e-3  # peak learning rate
     warmup: int = 150  # linear warm-up steps
-    threads: int = 1  # torch intra-op threads
+    threads: int = 2  # torch intra-op threads
     full_fraction: float = 0.3  # share of batches that keep every visual token
     jpeg_fraction: float = 0.2  # share of images re-encoded as JPEG (robust to lossy uploads)
     dense_weight: float = 1.0  # weight of the per-patch auxiliary loss (see bench.quality.targets)
     importance_weight: float = 0.2  # weight of the class-token attention target
     retrieval_weight: float = 1.0  # weight of the probe head's attention target
     probe_layer: int = 0  # decoder layer whose head 0 looks, at the anchor words, at what they name
+    relation_weight: float = 1.0  # weight of the spatial relation target (targets.RelationHead)
+    relation_layer: int = 1  # decoder layer whose output the relation target reads
+    answer_layer: int = 2  # layer whose head 0, where an answer starts, reads the last anchor word
     questions: int = 4  # questions asked about each training image, its own first
 
     def validate(self) -> None:
@@ -214,26 +222,104 @@ def anchor_positions(
     return out
 
 
+def relation_targets(
+    items: list[suite.Item], convs: list[list[suite.Question]], width: int
+) -> torch.Tensor:
+    """(B, width, len(targets.RELATION)): at the anchor index of each spatial question's second
+    noun (in `anchor_positions`' order) its `targets.relation_target`, NaN elsewhere."""
+    out = torch.full((len(items), width, len(targets.RELATION)), float("nan"))
+    for i, (it, conv) in enumerate(zip(items, convs, strict=True)):
+        k = 0
+        for q in conv:
+            k += len(anchors(it, q))
+            if q.scenario == "spatial":
+                out[i, k - 1] = torch.tensor(targets.relation_target(it, q))
+    return out
+
+
+def answer_reads(
+    items: list[suite.Item],
+    convs: list[list[suite.Question]],
+    labels: torch.Tensor,
+    where: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per question, (B, Q) each: the position whose logits give its answer's first token, and
+    the position of its last anchor word (`where`, from `anchor_positions`), which the answer
+    probe is taught to read; -1 for questions cut off or without a found anchor."""
+    starts = torch.full((len(items), max(map(len, convs))), -1, dtype=torch.long)
+    read = starts.clone()
+    before = F.pad(labels, (1, 0), value=IGNORE)[:, :-1]
+    first = (labels != IGNORE) & (before == IGNORE)  # an answer's first token
+    for i, (it, conv) in enumerate(zip(items, convs, strict=True)):
+        at = first[i].nonzero().flatten().tolist()
+        k = 0
+        for j, q in enumerate(conv):
+            k += len(anchors(it, q))
+            if j < len(at) and int(where[i, k - 1]) >= 0:
+                starts[i, j], read[i, j] = at[j] - 1, where[i, k - 1]
+    return starts, read
+
+
+def spatial_reads(
+    tok: ChatTokenizer,
+    items: list[suite.Item],
+    convs: list[list[suite.Question]],
+    ids: torch.Tensor,
+    where: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per spatial question, in conversation order, (B, S) each: the position of its second
+    noun, of its relation word ("left", "right", "above", "below") and of its first noun (from
+    `where`, `anchor_positions`' output); -1 for questions cut off."""
+    most = max(1, max(sum(q.scenario == "spatial" for q in conv) for conv in convs))
+    second = torch.full((len(items), most), -1, dtype=torch.long)
+    relation, first = second.clone(), second.clone()
+    words = {
+        tok.tok.encode(" " + r.split()[0], add_special_tokens=False).ids[0] for r in suite.RELATIONS
+    }
+    for i, (it, conv) in enumerate(zip(items, convs, strict=True)):
+        row = ids[i].tolist()
+        k = n = 0
+        for q in conv:
+            k += len(anchors(it, q))
+            if q.scenario != "spatial":
+                continue
+            a, b = int(where[i, k - 2]), int(where[i, k - 1])
+            if a >= 0 and b >= 0:
+                word = next(p for p in range(a + 1, b) if row[p] in words)
+                first[i, n], relation[i, n], second[i, n] = a, word, b
+            n += 1
+    return second, relation, first
+
+
+def _at(positions: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, Q) positions (-1: none) -> (B, Q, width) one-hot masks (all False for -1)."""
+    return F.one_hot(positions.clamp_min(0), width).bool() & (positions >= 0)[..., None]
+
+
 @dataclass(frozen=True, slots=True)
 class Probe:
-    """Which attention to read out: head 0 of one layer, from A query positions per row (the
-    anchor words), over the visual tokens."""
+    """Which attention to read out: one head of one layer, from Q query positions per row (the
+    anchor words; where answers start; spatial questions' second nouns), over some keys (the
+    visual tokens; all)."""
 
     layer: int  # decoder layer
-    queries: torch.Tensor  # (B, A) positions whose attention is read
-    keys: slice  # key positions returned (the visual tokens)
+    head: int  # query head
+    queries: torch.Tensor  # (B, Q) positions whose attention is read
+    keys: slice  # key positions returned
 
 
 def decoder_logits(
-    model: Llava, embeds: torch.Tensor, probe: Probe | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    model: Llava, embeds: torch.Tensor, probes: tuple[Probe, ...] = (), tap: int | None = None
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
     """The decoder over a (B, T, H) right-padded batch: the same modules and arithmetic as
     `Decoder.forward` for one sequence (causal attention, so padding never reaches a real token).
-    With a probe, also head 0's attention probabilities at the probe's queries over its keys."""
+    Also, per probe, its head's attention probabilities at its queries over its keys; with a tap,
+    the (B, T, H) hidden states after decoder layer `tap`."""
     dec = model.language_model
     b, t, _ = embeds.shape
     cos, sin = dec.rotary(torch.arange(t))
-    x, probs = embeds, None
+    x, tapped = embeds, None
+    probs: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(dec.layers):
         assert isinstance(layer, DecoderLayer) and isinstance(layer.self_attn, Attention)
         attn = layer.self_attn
@@ -242,28 +328,33 @@ def decoder_logits(
         k = attn.k_proj(h).view(b, t, attn.num_kv, attn.head_dim).transpose(1, 2)
         v = attn.v_proj(h).view(b, t, attn.num_kv, attn.head_dim).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        if probe is not None and i == probe.layer:
-            probs = _head0_probs(q, k, probe)
+        for j, probe in enumerate(probes):
+            if probe.layer == i:
+                probs[j] = _head_probs(q, k, probe)
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=attn.num_kv != attn.num_heads
         )
         x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.lm_head(dec.norm(x)), probs
+        if i == tap:
+            tapped = x
+    return model.lm_head(dec.norm(x)), [probs[j] for j in range(len(probes))], tapped
 
 
-def _head0_probs(q: torch.Tensor, k: torch.Tensor, probe: Probe) -> torch.Tensor:
+def _head_probs(q: torch.Tensor, k: torch.Tensor, probe: Probe) -> torch.Tensor:
     rows = torch.arange(q.shape[0])[:, None]
-    query = q[rows, 0, probe.queries]  # (B, A, d)
-    logits = (query @ k[:, 0].transpose(1, 2)) * q.shape[-1] ** -0.5  # (B, A, T)
+    query = q[rows, probe.head, probe.queries]  # (B, Q, d)
+    shared = k[:, probe.head // (q.shape[1] // k.shape[1])]  # its key head (grouped-query)
+    logits = (query @ shared.transpose(1, 2)) * q.shape[-1] ** -0.5  # (B, Q, T)
     later = torch.arange(k.shape[2])[None, None, :] > probe.queries[..., None]
     probs = torch.softmax(logits.masked_fill(later, float("-inf")), dim=-1)
-    return probs[..., probe.keys]  # (B, A, visual tokens)
+    return probs[..., probe.keys]  # (B, Q, keys)
 
 
 def step_loss(
     model: Llava,
     head: targets.DenseHead,
+    relation: targets.RelationHead,
     tok: ChatTokenizer,
     items: list[suite.Item],
     rng: np.random.Generator,
@@ -291,7 +382,8 @@ def step_loss(
     visual, relevant = compress(feats, scores, focus, rng, cfg.full_fraction)
     ids, labels = batch_ids(tok, convs, visual.shape[1], eos, _pad_id(tok))
     where = anchor_positions(tok, items, convs, ids, focus.shape[1])
-    relevant = relevant & (where >= 0)[..., None]
+    found = where >= 0
+    relevant = relevant & found[..., None]
     where = where.clamp_min(0)
     is_image = ids == model.cfg.image_token_id
     embeds = model.language_model.embed_tokens(ids.masked_fill(is_image, 0))
@@ -299,10 +391,31 @@ def step_loss(
         is_image[..., None], visual.reshape(-1, visual.shape[-1]).to(embeds.dtype)
     )
     first = int(is_image[0].float().argmax())
-    probe = Probe(cfg.probe_layer, where, slice(first, first + visual.shape[1]))
-    logits, probs = decoder_logits(model, embeds, probe)
-    assert probs is not None
-    aux = aux + cfg.retrieval_weight * targets.retrieval_loss(probs, relevant)
+    named = where.masked_fill(~found, -1)
+    starts, read = answer_reads(items, convs, labels, named)
+    second, relation_word, first_noun = spatial_reads(tok, items, convs, ids, named)
+    everything = slice(None)
+    probes = (
+        Probe(cfg.probe_layer, 0, where, slice(first, first + visual.shape[1])),
+        Probe(cfg.answer_layer, 0, starts.clamp_min(0), everything),
+        # At a spatial question's second noun: a head of the anchor's layer reads the relation
+        # word, one of the layer the relation target reads reads the first noun.
+        Probe(cfg.probe_layer, 2, second.clamp_min(0), everything),
+        Probe(cfg.relation_layer, 0, second.clamp_min(0), everything),
+    )
+    logits, attended, hidden = decoder_logits(model, embeds, probes, cfg.relation_layer)
+    assert hidden is not None
+    width = ids.shape[1]
+    wanted = (relevant, _at(read, width), _at(relation_word, width), _at(first_noun, width))
+    for probs, mask in zip(attended, wanted, strict=True):
+        aux = aux + cfg.retrieval_weight * targets.retrieval_loss(probs, mask)
+    goal = relation_targets(items, convs, focus.shape[1])
+    asked = found & ~torch.isnan(goal).all(-1)
+    rows = torch.arange(len(items))[:, None].expand_as(where)
+    at = hidden[rows[asked], where[asked]]
+    # Read through the final norm's kind of normalisation, as the next layer reads it.
+    at = at * torch.rsqrt(at.pow(2).mean(-1, keepdim=True) + 1e-6)
+    aux = aux + cfg.relation_weight * relation.loss(at, goal[asked])
     logits = logits[:, :-1]
     target = labels[:, 1:]
     loss = F.cross_entropy(
@@ -341,12 +454,14 @@ def train(out: Path, cfg: TrainConfig, log_every: int = 50) -> dict[str, object]
     tok = ChatTokenizer(out, model.cfg.image_token_id)
     rng = np.random.default_rng([int(suite.Split.TRAIN), cfg.seed, 1 << 30])
     head = targets.DenseHead(model.cfg.text.hidden_size)
-    params = [*model.parameters(), *head.parameters()]
+    relation = targets.RelationHead(model.cfg.text.hidden_size)
+    aux_params = [*head.parameters(), *relation.parameters()]
+    params = [*model.parameters(), *aux_params]
     groups = [
         {"params": list(model.parameters()), "scale": 1.0},
-        # The throw-away head starts from nothing each run and reads a moving target: it
-        # learns at ten times the model's rate, or it lags the tower it is meant to teach.
-        {"params": list(head.parameters()), "scale": 10.0},
+        # The throw-away heads start from nothing each run and read a moving target: they
+        # learn at ten times the model's rate, or they lag the model they are meant to teach.
+        {"params": aux_params, "scale": 10.0},
     ]
     opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.98))
     t0, step, running = time.perf_counter(), 0, 0.0
@@ -359,7 +474,7 @@ def train(out: Path, cfg: TrainConfig, log_every: int = 50) -> dict[str, object]
             suite.Split.TRAIN, cfg.seed, step * cfg.batch_size, cfg.batch_size
         )
         first_stage = step < min(cfg.vision_steps, cfg.steps // 5)
-        loss, correct = step_loss(model, head, tok, batch, rng, cfg, first_stage)
+        loss, correct = step_loss(model, head, relation, tok, batch, rng, cfg, first_stage)
         if not first_stage:
             for it, ok in zip(batch, correct.tolist(), strict=True):
                 hits[it.scenario].append(bool(ok))
@@ -372,7 +487,9 @@ def train(out: Path, cfg: TrainConfig, log_every: int = 50) -> dict[str, object]
         running = 0.98 * running + 0.02 * value if step > 1 else value
         if step % log_every == 0:
             _log(step, cfg.steps, running, hits, time.perf_counter() - t0)
-            print("  dense", " ".join(f"{k} {v:.3f}" for k, v in head.accuracy.items()), flush=True)
+            for name, h in (("dense", head), ("relation", relation)):
+                shown = " ".join(f"{k} {v:.3f}" for k, v in h.accuracy.items())
+                print(f"  {name} {shown}", flush=True)
     llava.save(model.eval(), out / "model.safetensors")
     return _record(out, cfg, step, (time.perf_counter() - t0) / 60, running)
 

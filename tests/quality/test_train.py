@@ -35,7 +35,7 @@ def test_batched_training_forward_matches_the_engine_path(tmp_path: Path) -> Non
         is_image = ids == model.cfg.image_token_id
         embeds = model.language_model.embed_tokens(ids.masked_fill(is_image, 0))
         embeds = embeds.masked_scatter(is_image[..., None], feats.reshape(-1, feats.shape[-1]))
-        batched, _ = train.decoder_logits(model, embeds)
+        batched, _, _ = train.decoder_logits(model, embeds)
         for i, it in enumerate(items):
             prompt = tok.encode_chat([ChatTurn("user", it.question, 1)], [feats.shape[1]])
             # The prompt is exactly what the engine builds; the labels start right after it.
@@ -73,6 +73,56 @@ def test_anchor_words_are_found_and_name_their_shapes(tmp_path: Path) -> None:
             if it.parts[parts[0]].order == 0:  # a shape noun names shapes of that kind only
                 assert {it.parts[k].label for k in parts} == {word.strip().removesuffix("s")}
         assert not masks[i, len(named) :].any()
+    # Where each answer starts, the answer probe reads the question's last anchor word.
+    labels = train.batch_ids(tok, convs, grid * grid, 2, 0)[1]
+    starts, read = train.answer_reads(items, convs, labels, where)
+    for i, (it, conv) in enumerate(zip(items, convs, strict=True)):
+        answers = [tok.tok.encode(" " + q.answer, add_special_tokens=False).ids for q in conv]
+        for j, q in enumerate(conv):
+            assert int(labels[i, starts[i, j] + 1]) == answers[j][0]  # predicts its first token
+            assert tok.tok.decode([int(ids[i, read[i, j]])]) == train.anchors(it, q)[-1][0]
+            assert read[i, j] < starts[i, j]
+        assert (starts[i, len(conv) :] == -1).all()
+    # A spatial question's second noun reads its relation word and its first noun.
+    second, relation, first = train.spatial_reads(tok, items, convs, ids, where)
+    asked = 0
+    for i, (it, conv) in enumerate(zip(items, convs, strict=True)):
+        spatial = [q for q in conv if q.scenario == "spatial"]
+        for n, q in enumerate(spatial):
+            (word_a, _), (word_b, _) = train.anchors(it, q)
+            words = [tok.tok.decode([int(ids[i, p[i, n]])]) for p in (first, relation, second)]
+            assert words[0] == word_a and words[2] == word_b
+            assert words[1].strip() in {r.split()[0] for r in suite.RELATIONS}
+            assert f"{words[1]} " in f" {q.question} "
+            assert first[i, n] < relation[i, n] < second[i, n]
+            asked += 1
+        assert (second[i, len(spatial) :] == -1).all()
+    assert asked >= 3
+
+
+def test_relation_targets_sit_at_the_second_noun_and_agree_with_the_answer() -> None:
+    items = suite.items(suite.Split.TRAIN, 2, 40)
+    convs = [train.conversation(it, np.random.default_rng(i), 4) for i, it in enumerate(items)]
+    goal = train.relation_targets(items, convs, 16)
+    seen = 0
+    for i, (it, conv) in enumerate(zip(items, convs, strict=True)):
+        marked = {int(k) for k in (~torch.isnan(goal[i]).all(-1)).nonzero()}
+        second, k = set(), 0
+        for q in conv:
+            k += len(train.anchors(it, q))
+            if q.scenario != "spatial":
+                continue
+            second.add(k - 1)
+            left, above, yes = goal[i, k - 1].tolist()
+            assert yes == float(q.answer == "yes")
+            axis = 0 if "left of" in q.question or "right of" in q.question else 1
+            sign = (left, above)[axis]  # the asked axis is always 40 px apart: defined
+            first_is_less = sign == 1.0
+            wanted = " left of " in q.question or " above " in q.question
+            assert (first_is_less == wanted) == (q.answer == "yes")
+            seen += 1
+        assert marked == second
+    assert seen >= 10
 
 
 def test_a_short_training_run_writes_a_trained_llava_checkpoint(tmp_path: Path) -> None:
