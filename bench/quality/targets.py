@@ -63,10 +63,8 @@ def _covered(part: suite.Part, grid: int, patch: int) -> np.ndarray:
     cx, cy = np.meshgrid(points, points)
     share = _inside(part, cx, cy).reshape(grid, _SUB, grid, _SUB).mean(axis=(1, 3))
     out = share >= 0.25
-    x0, y0, x1, y1 = part.box
-    out[min(grid - 1, int((y0 + y1) / 2 // patch)), min(grid - 1, int((x0 + x1) / 2 // patch))] = (
-        True
-    )
+    x, y = suite.centre(part)
+    out[min(grid - 1, int(y // patch)), min(grid - 1, int(x // patch))] = True
     return out
 
 
@@ -116,6 +114,12 @@ def retrieval_loss(probs: torch.Tensor, relevant: torch.Tensor) -> torch.Tensor:
     return -torch.log(mass[has] + 1e-6).mean()
 
 
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    """The read-outs see what they read through an RMS normalisation, as the decoder's next layer
+    does: what a head can separate there, that layer's keys and values can too."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
 class DenseHead(nn.Module):
     """Training-only: per-token logits for every head."""
 
@@ -125,10 +129,7 @@ class DenseHead(nn.Module):
         self.accuracy: dict[str, float] = {}  # last batch, per head, over patches with a target
 
     def loss(self, feats: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # Read through an RMS normalisation, as the decoder's first layer reads the tokens: what
-        # the head can separate, the decoder's keys and values can too.
-        normed = feats * torch.rsqrt(feats.pow(2).mean(-1, keepdim=True) + 1e-6)
-        logits = self.proj(normed).split(list(HEADS.values()), dim=-1)
+        logits = self.proj(_rms(feats)).split(list(HEADS.values()), dim=-1)
         total = feats.new_zeros(())
         for i, (name, head) in enumerate(zip(HEADS, logits, strict=True)):
             want = targets[..., i]
@@ -163,7 +164,7 @@ class RelationHead(nn.Module):
         defined = ~torch.isnan(target)
         if not bool(defined.any()):
             return hidden.new_zeros(())
-        logits = self.proj(hidden)
+        logits = self.proj(_rms(hidden))
         goal = target.nan_to_num(0.0)
         for i, name in enumerate(RELATION):
             m = defined[:, i]

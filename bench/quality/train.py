@@ -186,6 +186,16 @@ def anchors(it: suite.Item, q: suite.Question) -> list[tuple[str, tuple[int, ...
     return [(f" {label}s" if q.scenario == "counting" else f" {label}", q.focus)]
 
 
+def _last_anchors(it: suite.Item, conv: list[suite.Question]) -> list[int]:
+    """Per question of a conversation, the index (in `anchor_positions`' order) of its last
+    anchor word."""
+    ends, k = [], 0
+    for q in conv:
+        k += len(anchors(it, q))
+        ends.append(k - 1)
+    return ends
+
+
 def anchor_masks(
     items: list[suite.Item], convs: list[list[suite.Question]], grid: int, patch: int
 ) -> torch.Tensor:
@@ -229,11 +239,9 @@ def relation_targets(
     noun (in `anchor_positions`' order) its `targets.relation_target`, NaN elsewhere."""
     out = torch.full((len(items), width, len(targets.RELATION)), float("nan"))
     for i, (it, conv) in enumerate(zip(items, convs, strict=True)):
-        k = 0
-        for q in conv:
-            k += len(anchors(it, q))
+        for q, k in zip(conv, _last_anchors(it, conv), strict=True):
             if q.scenario == "spatial":
-                out[i, k - 1] = torch.tensor(targets.relation_target(it, q))
+                out[i, k] = torch.tensor(targets.relation_target(it, q))
     return out
 
 
@@ -252,11 +260,9 @@ def answer_reads(
     first = (labels != IGNORE) & (before == IGNORE)  # an answer's first token
     for i, (it, conv) in enumerate(zip(items, convs, strict=True)):
         at = first[i].nonzero().flatten().tolist()
-        k = 0
-        for j, q in enumerate(conv):
-            k += len(anchors(it, q))
-            if j < len(at) and int(where[i, k - 1]) >= 0:
-                starts[i, j], read[i, j] = at[j] - 1, where[i, k - 1]
+        for j, k in enumerate(_last_anchors(it, conv)):
+            if j < len(at) and int(where[i, k]) >= 0:
+                starts[i, j], read[i, j] = at[j] - 1, where[i, k]
     return starts, read
 
 
@@ -278,12 +284,11 @@ def spatial_reads(
     }
     for i, (it, conv) in enumerate(zip(items, convs, strict=True)):
         row = ids[i].tolist()
-        k = n = 0
-        for q in conv:
-            k += len(anchors(it, q))
+        n = 0
+        for q, k in zip(conv, _last_anchors(it, conv), strict=True):
             if q.scenario != "spatial":
                 continue
-            a, b = int(where[i, k - 2]), int(where[i, k - 1])
+            a, b = int(where[i, k - 1]), int(where[i, k])
             if a >= 0 and b >= 0:
                 word = next(p for p in range(a + 1, b) if row[p] in words)
                 first[i, n], relation[i, n], second[i, n] = a, word, b
@@ -381,17 +386,16 @@ def step_loss(
     focus = anchor_masks(items, convs, grid, vc.patch_size)
     visual, relevant = compress(feats, scores, focus, rng, cfg.full_fraction)
     ids, labels = batch_ids(tok, convs, visual.shape[1], eos, _pad_id(tok))
-    where = anchor_positions(tok, items, convs, ids, focus.shape[1])
-    found = where >= 0
+    named = anchor_positions(tok, items, convs, ids, focus.shape[1])  # -1: not found
+    found = named >= 0
     relevant = relevant & found[..., None]
-    where = where.clamp_min(0)
+    where = named.clamp_min(0)
     is_image = ids == model.cfg.image_token_id
     embeds = model.language_model.embed_tokens(ids.masked_fill(is_image, 0))
     embeds = embeds.masked_scatter(
         is_image[..., None], visual.reshape(-1, visual.shape[-1]).to(embeds.dtype)
     )
     first = int(is_image[0].float().argmax())
-    named = where.masked_fill(~found, -1)
     starts, read = answer_reads(items, convs, labels, named)
     second, relation_word, first_noun = spatial_reads(tok, items, convs, ids, named)
     everything = slice(None)
@@ -413,8 +417,6 @@ def step_loss(
     asked = found & ~torch.isnan(goal).all(-1)
     rows = torch.arange(len(items))[:, None].expand_as(where)
     at = hidden[rows[asked], where[asked]]
-    # Read through the final norm's kind of normalisation, as the next layer reads it.
-    at = at * torch.rsqrt(at.pow(2).mean(-1, keepdim=True) + 1e-6)
     aux = aux + cfg.relation_weight * relation.loss(at, goal[asked])
     logits = logits[:, :-1]
     target = labels[:, 1:]
