@@ -51,14 +51,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(self, out: SchedulerOutput) -> torch.Tensor:
-        size = self.kv_manager.block_size
         chunks, embeds = [], []
         for chunk in out.chunks:
             seq, n = chunk.seq, chunk.num_new_tokens
             start = seq.num_computed_tokens
-            table = [b.block_id for b in self.kv_manager.tables[seq.seq_id]]
-            slots = paged.slots_for(table, start + n, size)
-            chunks.append(paged.SeqChunk(start, n, slots, start + n == seq.num_tokens))
+            table = torch.tensor([b.block_id for b in self.kv_manager.tables[seq.seq_id]])
+            chunks.append(paged.SeqChunk(start, n, table, start + n == seq.num_tokens))
             embeds.append(seq.embeds(start, n, self._embed_tokens))
         return paged.forward(self.model, torch.cat(embeds), chunks, self.kv)
 

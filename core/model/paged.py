@@ -3,12 +3,15 @@
 The linear layers (projections, MLP, lm_head) run over every new token of every sequence in the
 step; attention runs per sequence over the keys and values gathered from its blocks.
 
-Batch invariance: a BLAS GEMM rounds a row differently depending on how many rows it is given
-(measured with MKL here: every M differs from M=1 at ~1e-7), which is enough to flip a greedy
-argmax now and then. So every linear layer runs on fixed tiles of `TILE` rows (zero-padded), and
-attention runs per query tile aligned to absolute positions, so a token's numbers depend on its own
-sequence only: not on its batch-mates, not on how its prefill was chunked, and not on whether its
-prefix came from the cache. The scheduler keeps prefill chunks on `TILE` boundaries for this.
+Batch invariance: a BLAS GEMM may round a row differently depending on how many rows it is given
+(measured with MKL here: M = 1..3, and with two threads also 5..7 and 9..11, differ from larger M
+at ~1e-7), which is enough to flip a greedy argmax now and then. So a linear layer never runs on
+fewer than `TILE` rows (zero-padded up to it), and above that in one call only where
+`exact_rows` has checked, for that weight's shape on this machine, that every row comes out the
+same at any row count; elsewhere it runs on fixed `TILE`-row tiles. Attention runs per query tile
+aligned to absolute positions. So a token's numbers depend on its own sequence only: not on its
+batch-mates, not on how its prefill was chunked, and not on whether its prefix came from the
+cache. The scheduler keeps prefill chunks on `TILE` boundaries for this.
 """
 
 from __future__ import annotations
@@ -31,18 +34,19 @@ class SeqChunk:
 
     start: int  # tokens already in the cache (position of the first new token)
     num_tokens: int  # new tokens run this step
-    slots: torch.Tensor  # (start + num_tokens,) long: cache slot of every position so far
+    blocks: torch.Tensor  # long: the blocks holding positions 0..start + num_tokens - 1, in order
     need_logits: bool  # the last new token is the sequence's newest: sample after it
 
 
 class PagedKV:
-    """Key and value storage: per layer a (num_blocks * block_size, kv_heads, head_dim) tensor.
-    Slot s belongs to block s // block_size; the KV-cache manager decides who owns which block."""
+    """Key and value storage: per layer a (kv_heads, num_blocks, block_size, head_dim) tensor,
+    heads first so that gathering a sequence's blocks yields the (kv_heads, ctx, head_dim) layout
+    attention reads in one copy. The KV-cache manager decides who owns which block."""
 
     def __init__(
         self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
     ) -> None:
-        shape = (num_blocks * block_size, kv_heads, head_dim)
+        shape = (kv_heads, num_blocks, block_size, head_dim)
         self.block_size = block_size
         self.keys = [torch.zeros(shape) for _ in range(num_layers)]
         self.values = [torch.zeros(shape) for _ in range(num_layers)]
@@ -51,22 +55,61 @@ class PagedKV:
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int) -> int:
         return 2 * num_layers * block_size * kv_heads * head_dim * 4  # float32 keys + values
 
+    def write(self, layer: int, chunks: list[SeqChunk], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores the new tokens' (kv_heads, tokens, head_dim) keys and values at their slots."""
+        size = self.block_size
+        slots = []
+        for c in chunks:
+            pos = torch.arange(c.start, c.start + c.num_tokens)
+            slots.append(c.blocks[pos // size] * size + pos % size)
+        new = torch.cat(slots)
+        for store, x in ((self.keys[layer], k), (self.values[layer], v)):
+            store.view(store.shape[0], -1, store.shape[3]).index_copy_(1, new, x)
 
-def slots_for(block_table: list[int], num_positions: int, block_size: int) -> torch.Tensor:
-    """Cache slots of positions 0..num_positions-1 of a sequence with this block table."""
-    table = torch.tensor(block_table, dtype=torch.long)
-    slots = (table[:, None] * block_size + torch.arange(block_size)[None, :]).reshape(-1)
-    return slots[:num_positions]
+    def read(self, layer: int, c: SeqChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv_heads, ctx, head_dim) keys and values of positions 0..ctx-1 of `c`'s sequence."""
+        ctx = c.start + c.num_tokens
+        blocks = c.blocks[: -(-ctx // self.block_size)]
+        out = []
+        for store in (self.keys[layer], self.values[layer]):
+            gathered = torch.index_select(store, 1, blocks)  # several times faster than [:, ]
+            out.append(gathered.view(store.shape[0], -1, store.shape[3])[:, :ctx])
+        return out[0], out[1]
 
 
 def _positions(chunks: list[SeqChunk]) -> torch.Tensor:
     return torch.cat([torch.arange(c.start, c.start + c.num_tokens) for c in chunks])
 
 
+_EXACT: dict[tuple[int, int, int], bool] = {}  # (out, in, threads) -> rows independent of M
+
+
+def exact_rows(weight: torch.Tensor) -> bool:
+    """Whether `F.linear` with this weight's shape gives every row bit for bit the same result
+    at any row count from `TILE` up, here (BLAS library, CPU, thread count): checked once per
+    shape on random rows at a few counts that cover the GEMM's blocking, against `TILE`-row
+    tiles."""
+    key = (*weight.shape, torch.get_num_threads())
+    if key not in _EXACT:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(65 * TILE, weight.shape[1], generator=gen)
+        w = torch.randn(weight.shape, generator=gen)
+        ref = torch.cat([F.linear(t, w) for t in torch.split(x, TILE)])
+        _EXACT[key] = all(
+            torch.equal(F.linear(x[:m], w), ref[:m]) for m in (TILE + 1, 100, 333, x.shape[0])
+        )
+    return _EXACT[key]
+
+
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)` computed on fixed `TILE`-row tiles, so each row's result is the same whatever
-    else is in `x`."""
+    """`layer(x)` such that each row's result is the same whatever else is in `x`: at least
+    `TILE` rows (zero-padded), in one call where `exact_rows` allows, else on `TILE`-row tiles."""
     rows = x.shape[0]
+    if rows < TILE:
+        x = torch.cat([x, x.new_zeros(TILE - rows, x.shape[1])])
+        return F.linear(x, layer.weight, layer.bias)[:rows]
+    if exact_rows(layer.weight):
+        return F.linear(x, layer.weight, layer.bias)
     pad = (-rows) % TILE
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
@@ -112,21 +155,15 @@ def _attention(
     cos, sin = rope
     q = linear(attn.q_proj, x).view(total, attn.num_heads, attn.head_dim).transpose(0, 1)
     k = linear(attn.k_proj, x).view(total, attn.num_kv, attn.head_dim).transpose(0, 1)
-    v = linear(attn.v_proj, x).view(total, attn.num_kv, attn.head_dim)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin).transpose(0, 1)
-    keys, values = kv.keys[layer], kv.values[layer]
-    new_slots = torch.cat([c.slots[c.start :] for c in chunks])
-    keys[new_slots], values[new_slots] = k, v
+    v = linear(attn.v_proj, x).view(total, attn.num_kv, attn.head_dim).transpose(0, 1)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    kv.write(layer, chunks, k, v)
     outs, offset = [], 0
     for c in chunks:
         n = c.num_tokens
-        out = _attend(
-            q[:, offset : offset + n],
-            keys[c.slots].transpose(0, 1).contiguous(),
-            values[c.slots].transpose(0, 1).contiguous(),
-            c.start,
-            attn.num_kv != attn.num_heads,
-        )
+        keys, values = kv.read(layer, c)
+        gqa = attn.num_kv != attn.num_heads
+        out = _attend(q[:, offset : offset + n], keys, values, c.start, gqa)
         outs.append(out.transpose(0, 1).reshape(n, -1))
         offset += n
     return linear(attn.o_proj, torch.cat(outs))
