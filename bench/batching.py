@@ -1,9 +1,10 @@
 """`visor bench batching`: the scheduler policies on one seeded mixed workload, in one run.
 
-Each policy gets a fresh in-process engine on the same checkpoint and replays the same arrivals,
-twice: at `MIXED_GAP_S` between arrivals (a load the machine serves; latency and TTFT are
-compared there) and at `SATURATED_GAP_S` (more than it serves; throughput is compared there, since
-below saturation every policy just keeps up with the arrivals). Also: a decode-heavy variant
+Each policy gets a fresh in-process engine on the same checkpoint and replays the same requests,
+twice: first as a burst (`SATURATED_GAP_S`, more than any policy serves; throughput is compared
+there, since below saturation every policy just keeps up with the arrivals), then spread out so
+that they offer `LOAD` of what request-count served in the burst (latency and TTFT are compared
+there). Also: a decode-heavy variant
 (token-budget vs none), a text-only run against transformers' own continuous batching
 (`generate_batch`), and the prefix/feature-cache cases from `bench.reuse`. Prints one JSON
 object; `--plot FILE` writes a PNG (throughput and p99 per policy, tokens per step over time).
@@ -23,7 +24,7 @@ import torch
 
 from bench import reuse
 from bench.workload import (
-    MIXED_GAP_S,
+    LOAD,
     SATURATED_GAP_S,
     Spec,
     features_for,
@@ -212,17 +213,18 @@ def main(
     quiet: bool = False,
 ) -> int:
     torch.set_num_threads(threads)
-    gap = MIXED_GAP_S if gap is None else gap
+    saturated_specs = mixed(n, seed, mean_gap_s=SATURATED_GAP_S)
+    saturated = {p: _run_policy(model, p, saturated_specs, threads, quiet)[0] for p in POLICIES}
+    load = None
+    if gap is None:
+        load = LOAD
+        gap = 1.0 / (LOAD * saturated["request-count"]["req_per_s"])
     specs = mixed(n, seed, mean_gap_s=gap)
     policies, steps = {}, []
     for policy in POLICIES:
         policies[policy], log = _run_policy(model, policy, specs, threads, quiet)
         if policy == "token-budget":
             steps = log
-    # The same requests arriving SATURATED_GAP_S apart: more than the machine serves, so the
-    # makespan measures throughput.
-    saturated_specs = mixed(n, seed, mean_gap_s=SATURATED_GAP_S)
-    saturated = {p: _run_policy(model, p, saturated_specs, threads, quiet)[0] for p in POLICIES}
     heavy_specs = mixed(n, seed + 1, mean_gap_s=0.5, decode_heavy=True)
     heavy = {
         p: _run_policy(model, p, heavy_specs, threads, quiet, latency=False)[0]
@@ -236,14 +238,21 @@ def main(
         "workload": {
             "requests": n,
             "seed": seed,
-            "mean_gap_s": gap,
+            "mean_gap_s": round(gap, 3),
+            "load_vs_request_count_throughput": load,
             "kinds": _kinds(specs),
             "last_arrival_s": round(specs[-1].arrival_s, 2),
         },
         "scheduler": {
             name: {
                 k: getattr(_config("token-budget", latency), k)
-                for k in ("max_batch_tokens", "max_prefill_chunk", "batch_size", "block_size")
+                for k in (
+                    "max_batch_tokens",
+                    "max_prefill_chunk",
+                    "decode_step_tokens",
+                    "batch_size",
+                    "block_size",
+                )
             }
             for name, latency in (("mixed", True), ("decode_heavy_and_text_only", False))
         },

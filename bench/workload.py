@@ -27,13 +27,12 @@ QUESTIONS = (
 )
 
 
-# Mean seconds between arrivals of the mixed workload: on the bench model with 1 thread here, a
-# request costs 4-6 s of compute on average (the VM's speed varies between runs), so the offered
-# load is 0.8-1.25 of what the machine serves. Above 1 every queue grows without bound, and the
-# worst latency under any work-conserving order is set by the makespan, not by the policy (see
-# the README, "Scheduler").
-MIXED_GAP_S = 5.0
-SATURATED_GAP_S = 2.0  # the same workload offered faster than it is served: for throughput
+# The mixed workload's latency replay offers this fraction of what `request-count` serves (its
+# requests per second in the saturated replay, measured in the same run), so the replay means the
+# same on a faster or slower host. Above 1 every queue grows without bound and the worst latency
+# under any work-conserving order is set by the makespan, not by the policy.
+LOAD = 0.9
+SATURATED_GAP_S = 0.1  # mean gap of the throughput replay: a burst, more than any policy serves
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,6 +88,7 @@ class SchedulerConfig:
     policy: str = "token-budget"  # token-budget | request-count | none
     max_batch_tokens: int = 2048  # per-step budget: prefill chunks + one per decoding sequence
     max_prefill_chunk: int = 512  # one sequence's prefill tokens per step (chunked prefill)
+    decode_step_tokens: int = 32  # prefill tokens costing one decode step (0: prefills never yield)
     max_num_seqs: int = 32  # sequences running at once (token-budget)
     batch_size: int = 8  # requests per fixed batch (request-count)
     max_request_tokens: int = 8192  # visual + text + max_new_tokens of one request
@@ -108,5 +109,7 @@ class SchedulerConfig:
             raise ConfigError(
                 "[scheduler] max_num_seqs, batch_size, max_waiting, kv_cache_mb must be >= 1"
             )
+        if self.decode_step_tokens < 0:
+            raise ConfigError("[scheduler] decode_step_tokens must be >= 0")
         if self.max_request_tokens < 1:
             raise ConfigError("[scheduler] max_request_tokens must be >= 1")

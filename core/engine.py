@@ -152,6 +152,7 @@ class Engine:
             sc.batch_size,
             sc.chunked_prefill,
             sc.max_prefill_chunk,
+            sc.decode_step_tokens,
         )
         self.runner = ModelRunner(self.model, self.kv_manager, self.scheduler, self.eos_ids)
         metrics.KV_BLOCKS_TOTAL.set(num_blocks)

@@ -1,14 +1,18 @@
 """The LLM scheduler: decides, each step, which sequences run how many tokens.
 
 `token-budget` (iteration-level batching): every decoding sequence gets one token, then prefill
-chunks fill the rest of `max_batch_tokens`, shortest remaining prompt first (so a long video does
-not hold up a one-image question; a prefill passed over `STARVATION_STEPS` steps in a row goes
-first until its prompt is in); waiting requests are admitted into what is left, tenants taking
-turns. `request-count` admits up to `batch_size` requests only when nothing is running and runs
-that batch to completion; `none` is the same with one request. When a sequence
-needs a block and none is free, the most recently admitted running sequence is preempted: its
-blocks go back to the pool and it waits at the front of the queue, to be recomputed (its prefix is
-usually still in the cache, so recomputation is cheap).
+chunks fill the rest of `max_batch_tokens`, earliest deadline first, a prompt's deadline being
+its arrival plus its length on the clock of tokens the engine has run (so a one-image question
+goes before a video that came a little earlier, and a passed-over prefill gets its turn once the
+engine has run as many tokens as it is long); waiting requests are admitted into what is left,
+tenants taking turns. A prefill whose remaining prompt costs more than the nearest-to-done
+decoding sequence still has to run (`decode_step_tokens` prefill tokens per decode step) sits
+out steps that have decoders, so a short answer is not slowed to the pace of a video's prefill;
+past its deadline it no longer yields. `request-count` admits up to `batch_size` requests only
+when nothing is running and runs that batch to completion; `none` is the same with one request.
+When a sequence needs a block and none is free, the most recently admitted running sequence is
+preempted: its blocks go back to the pool and it waits at the front of the queue, to be
+recomputed (its prefix is usually still in the cache, so recomputation is cheap).
 
 Block bookkeeping lives in `KVCacheManager`; this module only decides.
 """
@@ -24,7 +28,6 @@ from core.model.paged import TILE
 from core.sequence import RequestStatus, Sequence
 
 POLICIES = ("token-budget", "request-count", "none")
-STARVATION_STEPS = 8  # a prefill passed over this many steps in a row goes first until done
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,7 @@ class Scheduler:
         batch_size: int,
         chunked_prefill: bool,
         max_prefill_chunk: int,
+        decode_step_tokens: int = 0,
     ) -> None:
         self.kv = kv
         self.policy = policy
@@ -64,9 +68,9 @@ class Scheduler:
         self.max_num_seqs = {"token-budget": max_num_seqs, "request-count": batch_size}.get(
             policy, 1
         )
-        self.shortest_first = (
-            policy == "token-budget"
-        )  # the baselines stay first come, first served
+        self.token_budget = policy == "token-budget"  # the baselines stay first come, first served
+        self.decode_step_tokens = decode_step_tokens if self.token_budget else 0
+        self.clock = 0  # tokens scheduled so far: a request's age is measured in them
         self.chunked_prefill = chunked_prefill and policy == "token-budget"
         self.max_prefill_chunk = max_prefill_chunk if self.chunked_prefill else sys.maxsize
         self.running: list[Sequence] = []
@@ -83,6 +87,7 @@ class Scheduler:
         return bool(self.running) or self.num_waiting > 0
 
     def add(self, seq: Sequence) -> None:
+        seq.arrival_clock = self.clock
         if seq.tenant not in self._waiting:
             self._waiting[seq.tenant] = deque()
             self._turns.append(seq.tenant)
@@ -93,9 +98,10 @@ class Scheduler:
         self._schedule_running(plan)
         if not plan.preempted and (self.policy == "token-budget" or not plan.chunks):
             self._admit(plan)
-        self._count_skips(plan)
         chunks = tuple(ScheduledChunk(s, n) for s, n in plan.chunks.items())
-        return SchedulerOutput(chunks, sum(plan.chunks.values()), tuple(plan.preempted))
+        num_tokens = sum(plan.chunks.values())
+        self.clock += num_tokens
+        return SchedulerOutput(chunks, num_tokens, tuple(plan.preempted))
 
     def update(self, out: SchedulerOutput) -> None:
         """Records a finished step: progress, and the blocks that became full."""
@@ -133,27 +139,33 @@ class Scheduler:
             return 0
         return max(0, (computed + budget) // TILE * TILE - computed)
 
-    def _prefill_order(self, seq: Sequence) -> tuple[bool, int, int]:
-        starved = seq.num_skipped_steps >= STARVATION_STEPS
-        return (not starved, seq.num_prompt_tokens - seq.num_computed_tokens, seq.seq_id)
+    def _prefill_order(self, seq: Sequence) -> tuple[int, int]:
+        """Earliest deadline first; a prompt's deadline is its arrival plus its length, both on
+        the clock of tokens the engine has run."""
+        return (seq.arrival_clock + seq.num_prompt_tokens, seq.seq_id)
 
-    def _count_skips(self, plan: _Plan) -> None:
-        waiting = [s for q in self._waiting.values() for s in q]
-        for seq in [*self.running, *self._preempted, *waiting]:
-            if seq in plan.chunks:
-                if seq.num_skipped_steps < STARVATION_STEPS:
-                    seq.num_skipped_steps = 0  # once starved, it keeps first place to the end
-            elif seq.in_prefill:
-                seq.num_skipped_steps += 1
+    def _yields(self, seq: Sequence, plan: _Plan) -> bool:
+        """True when `seq`'s prefill should sit this step out for a decoder that is nearly done:
+        its remaining prompt costs more than that decoder's remaining steps (never once `seq`
+        is past its deadline)."""
+        if not self.decode_step_tokens or self._prefill_order(seq)[0] <= self.clock:
+            return False
+        left = [
+            s.params.max_new_tokens - s.num_output_tokens for s in plan.chunks if not s.in_prefill
+        ]
+        remaining = seq.num_prompt_tokens - seq.num_computed_tokens
+        return bool(left) and remaining > self.decode_step_tokens * min(left)
 
     def _schedule_running(self, plan: _Plan) -> None:
         decoding = [s for s in self.running if not s.in_prefill]
         prefilling = [s for s in self.running if s.in_prefill]
-        if self.shortest_first:
+        if self.token_budget:
             prefilling.sort(key=self._prefill_order)
         for seq in decoding + prefilling:
             if seq.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if seq.in_prefill and self._yields(seq, plan):
+                continue
             n = self._num_new(seq, seq.num_computed_tokens, plan.token_budget)
             if n > 0 and self._grow(seq, seq.num_computed_tokens + n, plan):
                 plan.chunks[seq] = n
@@ -184,6 +196,8 @@ class Scheduler:
     def _admit(self, plan: _Plan) -> None:
         while self.num_waiting and len(self.running) < self.max_num_seqs and plan.token_budget:
             seq = self._peek()
+            if self._yields(seq, plan):
+                return
             prefix = self._prefix(seq)
             start = len(prefix) * self.kv.block_size
             n = self._num_new(seq, start, plan.token_budget)
@@ -214,7 +228,7 @@ class Scheduler:
         if self._preempted:
             return self._preempted[0]
         queue = self._waiting[self._turns[0]]
-        return min(queue, key=self._prefill_order) if self.shortest_first else queue[0]
+        return min(queue, key=self._prefill_order) if self.token_budget else queue[0]
 
     def _pop(self, seq: Sequence) -> None:
         if self._preempted and self._preempted[0] is seq:

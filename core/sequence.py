@@ -70,7 +70,7 @@ class Sequence:
     first_scheduled: float = 0.0  # perf_counter of the first step that ran it
     first_token: float = 0.0  # perf_counter of its first output token
     num_preemptions: int = 0  # times it lost its blocks
-    num_skipped_steps: int = 0  # steps in a row its prefill could have run and did not
+    arrival_clock: int = 0  # the scheduler's token clock when it was added
 
     @property
     def num_tokens(self) -> int:
