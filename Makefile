@@ -9,7 +9,7 @@ DEBIAN_DEV := libjpeg-dev zlib1g-dev libpng-dev libwebp-dev libtiff-dev libfreet
 MODEL := models/demo
 PIP_QUIET := --quiet --disable-pip-version-check
 
-.PHONY: install run demo test protos lint bench clean interop debian-dev fuzz
+.PHONY: install run demo test protos lint bench clean interop debian-dev fuzz soak
 
 install: $(STAMP)
 
@@ -71,6 +71,10 @@ test: $(STAMP) protos $(MODEL)/config.json
 SECONDS ?= 300
 fuzz: $(STAMP)
 	$(BIN)/python -m tests.gateway.fuzz_media --seconds $(SECONDS) --workdir .visor/fuzz
+
+# The noisy-neighbour soak (about 3 minutes): one JSON report, also written to bench/results/.
+soak: $(STAMP) protos $(MODEL)/config.json
+	$(BIN)/visor bench soak --model $(MODEL) --out bench/results/soak.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

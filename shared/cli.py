@@ -208,6 +208,17 @@ def _bench_gateway(args: argparse.Namespace) -> int:
     return gateway.main(Path(args.model), args.repeats)
 
 
+def _bench_soak(args: argparse.Namespace) -> int:
+    from bench import soak
+
+    logs.configure("bench", "warning")
+    settings = soak.SoakSettings(
+        Path(args.model), args.seconds_alone, args.seconds_noisy, seed=args.seed
+    )
+    out = Path(args.out) if args.out else None
+    return soak.main(settings, Path(args.logs), out)
+
+
 def _bench_batching(args: argparse.Namespace) -> int:
     from bench import batching
 
@@ -301,6 +312,15 @@ def parser() -> argparse.ArgumentParser:
     bg.add_argument("--repeats", type=int, default=20)
     bg.add_argument("--json", action="store_true", help="accepted for symmetry; output is JSON")
     bg.set_defaults(fn=_bench_gateway)
+    sk = bs.add_parser("soak", help="noisy-neighbour soak with faults; exits 1 if a target fails")
+    sk.add_argument("--model", default="models/demo")
+    sk.add_argument("--seconds-alone", type=float, default=30.0)
+    sk.add_argument("--seconds-noisy", type=float, default=90.0)
+    sk.add_argument("--seed", type=int, default=0)
+    sk.add_argument("--logs", default=".visor/soak", help="service logs and caches go here")
+    sk.add_argument("--out", default="", help="also write the JSON report to this file")
+    sk.add_argument("--json", action="store_true", help="accepted for symmetry; output is JSON")
+    sk.set_defaults(fn=_bench_soak)
     _add_scheduler_benches(bs)
     m = sub.add_parser("model", help="model tools").add_subparsers(dest="model_cmd", required=True)
     i = m.add_parser("init-demo", help="build the demo checkpoint (no download)")

@@ -1,0 +1,500 @@
+"""`visor bench soak`: the noisy-neighbour soak. One JSON object on stdout.
+
+Two cores and one gateway run as real processes on loopback. A quiet tenant sends the sample
+questions at a steady rate, first alone, then while a noisy tenant sends a mix of hostile media,
+bad sampling values, stalled uploads, huge stop-string lists, cancels and large legal images; along
+the way a decode worker is SIGKILLed, a core is SIGSTOPped then resumed, and a core is SIGKILLed
+and restarted. Every request is sent without a client deadline, so the gateway's own default
+deadline must end it: a request that outlives that deadline by more than 1 s is counted.
+
+Targets (issue 24): the quiet tenant loses no request except those in flight on the killed core;
+its p99 stays <= 1.5x its p99 alone; nothing outlives its deadline by more than 1 s; gateway and
+core RSS and open descriptors return to their baseline once the noise stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import math
+import os
+import random
+import signal
+import struct
+import subprocess
+import time
+import zlib
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from PIL import Image
+
+from shared import procs
+from shared.hashing import key_sha256
+from shared.proto import gateway_pb2, gateway_pb2_grpc
+from shared.status import from_rpc_error
+
+QUIET_KEY, NOISY_KEY = "soak-quiet-key", "soak-noisy-key"
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "models" / "samples"
+CORPUS = Path(os.environ.get("VISOR_TEST_CORPUS", ROOT.parent / "shared" / "corpus"))
+
+
+@dataclass(frozen=True, slots=True)
+class SoakSettings:
+    model: Path  # checkpoint the cores serve
+    seconds_alone: float = 30.0  # the quiet tenant alone (its baseline latencies)
+    seconds_noisy: float = 90.0  # the quiet tenant beside the noisy one, faults injected
+    settle_s: float = 15.0  # after the noise, before RSS / descriptors are read again
+    quiet_interval_s: float = 0.5  # the quiet tenant starts one request this often
+    noisy_streams: int = 6  # the noisy tenant's concurrent request loops
+    deadline_s: float = 20.0  # the gateway's default deadline (clients send none)
+    seed: int = 0  # the noisy mix's random choices
+
+
+@dataclass(slots=True)
+class Record:
+    tenant: str  # "quiet" or "noisy"
+    kind: str  # what was sent
+    start: float  # monotonic
+    end: float = 0.0  # monotonic
+    outcome: str = ""  # "ok", "CANCELLED" (by us) or the ErrorInfo reason / status name
+
+
+@dataclass(slots=True)
+class Soak:
+    settings: SoakSettings
+    gateway: str
+    env: dict[str, str]
+    config: Path
+    logs: Path
+    cores: dict[str, subprocess.Popen[bytes]]  # by listen address
+    gateway_proc: subprocess.Popen[bytes]
+    records: list[Record] = field(default_factory=list)
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    usage: list[dict[str, Any]] = field(default_factory=list)
+
+
+# ---- media ----------------------------------------------------------------------------------
+
+
+def _png(width: int, height: int, seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(buf, "PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def _apng(size: int, frames: int) -> bytes:
+    rng = np.random.default_rng(1)
+    images = [
+        Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8), "RGB")
+        for _ in range(frames)
+    ]
+    buf = io.BytesIO()
+    images[0].save(buf, "PNG", save_all=True, append_images=images[1:], compress_level=1)
+    return buf.getvalue()
+
+
+def _png_declaring(width: int, height: int) -> bytes:
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + body))
+        return struct.pack(">I", len(body)) + kind + body + crc
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+
+
+def hostile_media() -> list[bytes]:
+    """Files every gateway must refuse or survive: the corpus's rejects when it is present, and
+    a few built here (so the soak runs in a user's clone too)."""
+    jpeg = (SAMPLES / "number.jpg").read_bytes()
+    out = [
+        jpeg[: len(jpeg) // 2],  # truncated
+        _png_declaring(100_000, 100_000),  # pixel bomb by header
+        os.urandom(4096),  # no known format
+        b"PK\x03\x04" + os.urandom(512),  # a zip
+    ]
+    manifest = CORPUS / "MANIFEST.tsv"
+    if manifest.exists():
+        for line in manifest.read_text().splitlines()[1:]:
+            name, expect = line.split("\t")[:2]
+            if expect == "reject":
+                out.append((CORPUS / name).read_bytes())
+    return out
+
+
+def _questions() -> list[tuple[bytes, str]]:
+    table = json.loads((SAMPLES / "questions.json").read_text())
+    return [((SAMPLES / name).read_bytes(), q["question"]) for name, q in table.items()]
+
+
+def _request(prompt: str, media: list[bytes], **params: Any) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        prompt=prompt,
+        media=[gateway_pb2.Media(data=m) for m in media],
+        params=gateway_pb2.GenerationParams(max_new_tokens=8, **params),
+    )
+
+
+# ---- clients --------------------------------------------------------------------------------
+
+
+async def _call(
+    stub: gateway_pb2_grpc.GatewayStub, key: str, req: gateway_pb2.GenerateRequest, rec: Record,
+    cancel_after: float | None = None,
+) -> None:  # fmt: skip
+    call = stub.Generate(req, metadata=[("authorization", f"Bearer {key}")])
+    try:
+        if cancel_after is None:
+            async for _ in call:
+                pass
+            rec.outcome = "ok"
+        else:
+            await asyncio.sleep(cancel_after)
+            rec.outcome = "ok" if call.done() else "CANCELLED"
+            call.cancel()
+    except grpc.RpcError as exc:
+        rec.outcome = _reason(exc)
+    finally:
+        rec.end = time.monotonic()
+
+
+async def _stalled_upload(stub: gateway_pb2_grpc.GatewayStub, rec: Record, hold_s: float) -> None:
+    """Sends the request and half an image, then nothing: the gateway must end it."""
+    image = (SAMPLES / "colour.png").read_bytes()
+
+    async def messages() -> Any:
+        head = _request("What colour is the circle?", [b""])
+        yield gateway_pb2.UploadMessage(request=head)
+        piece = image[: len(image) // 2]
+        yield gateway_pb2.UploadMessage(chunk=gateway_pb2.MediaChunk(media_index=0, data=piece))
+        await asyncio.sleep(hold_s)
+
+    call = stub.GenerateUpload(messages(), metadata=[("authorization", f"Bearer {NOISY_KEY}")])
+    try:
+        async for _ in call:
+            pass
+        rec.outcome = "ok"
+    except grpc.RpcError as exc:
+        rec.outcome = _reason(exc)
+    finally:
+        rec.end = time.monotonic()
+        call.cancel()
+
+
+def _reason(exc: grpc.RpcError) -> str:
+    err = from_rpc_error(exc)
+    if exc.code() == grpc.StatusCode.CANCELLED:
+        return "CANCELLED"
+    return err.reason.value
+
+
+async def _quiet(soak: Soak, stop_at: float, phase: str) -> None:
+    questions = _questions()
+    tasks = []
+    async with grpc.aio.insecure_channel(soak.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)  # type: ignore[no-untyped-call]
+        i = 0
+        while time.monotonic() < stop_at:
+            image, question = questions[i % len(questions)]
+            rec = Record("quiet", phase, time.monotonic())
+            soak.records.append(rec)
+            tasks.append(
+                asyncio.create_task(_call(stub, QUIET_KEY, _request(question, [image]), rec))
+            )
+            i += 1
+            await asyncio.sleep(soak.settings.quiet_interval_s)
+        await asyncio.gather(*tasks)
+
+
+async def _warm(soak: Soak) -> None:
+    """Each sample once through each core's cold path, so 'alone' measures steady state."""
+    warm = Soak(
+        soak.settings, soak.gateway, soak.env, soak.config, soak.logs, {}, soak.gateway_proc
+    )
+    await _quiet(
+        warm, time.monotonic() + len(_questions()) * soak.settings.quiet_interval_s, "warm"
+    )
+
+
+async def _noisy(soak: Soak, stop_at: float, stream: int) -> None:
+    rng = random.Random(soak.settings.seed * 1000 + stream)
+    hostile = hostile_media()
+    good = (SAMPLES / "colour.png").read_bytes()
+    big = [_png(3000, 2000, stream), _apng(512, 48)]
+    async with grpc.aio.insecure_channel(soak.gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)  # type: ignore[no-untyped-call]
+        while time.monotonic() < stop_at:
+            kind = rng.choice(["hostile", "sampling", "stall", "stops", "cancel", "large"])
+            rec = Record("noisy", kind, time.monotonic())
+            soak.records.append(rec)
+            if kind == "stall":
+                await _stalled_upload(stub, rec, soak.settings.deadline_s + 10)
+                continue
+            if kind == "hostile":
+                req = _request("What is this?", [rng.choice(hostile)])
+            elif kind == "sampling":
+                bad = rng.choice([math.nan, math.inf, 1e-38, -0.0 - 1e-30])
+                req = _request("What colour?", [good], temperature=bad, min_new_tokens=4)
+            elif kind == "stops":
+                stops = [f"s{n}" for n in range(8000)]
+                req = _request("What colour?", [good], stop=stops)
+            elif kind == "large":
+                req = _request("Describe the image.", [rng.choice(big)])
+            else:
+                req = _request("What colour is the circle?", [good])
+            cancel = rng.uniform(0.05, 0.4) if kind == "cancel" else None
+            await _call(stub, NOISY_KEY, req, rec, cancel)
+
+
+# ---- faults and resource use ----------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid and b"spawn_main" in cmdline:
+            out.append(int(entry.name))
+    return sorted(out)
+
+
+def _usage(pid: int) -> tuple[int, int]:
+    """(RSS bytes, open descriptors) of one process; (0, 0) when it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0, 0
+    rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS"))
+    return rss * 1024, fds
+
+
+async def _sample_usage(soak: Soak, stop: asyncio.Event, t0: float) -> None:
+    while not stop.is_set():
+        soak.usage.append({"t": round(time.monotonic() - t0, 1), **_snapshot(soak)})
+        await asyncio.sleep(1.0)
+
+
+async def _faults(soak: Soak, t0: float) -> None:
+    n = soak.settings.seconds_noisy
+    addresses = list(soak.cores)
+
+    def note(kind: str, **extra: Any) -> None:
+        soak.faults.append({"kind": kind, "t": round(time.monotonic() - t0, 2), **extra})
+
+    async def kill_worker() -> None:
+        workers = _children(soak.gateway_proc.pid)
+        if workers:
+            os.kill(workers[0], signal.SIGKILL)
+            note("worker_sigkill", pid=workers[0])
+
+    await asyncio.sleep(0.15 * n)
+    await kill_worker()
+    await asyncio.sleep(0.15 * n)
+    hung = soak.cores[addresses[1]]
+    hung.send_signal(signal.SIGSTOP)
+    note("core_sigstop", core=1)
+    await asyncio.sleep(8.0)
+    hung.send_signal(signal.SIGCONT)
+    note("core_sigcont", core=1)
+    await asyncio.sleep(0.25 * n - 8.0)
+    victim = soak.cores[addresses[0]]
+    victim.kill()
+    victim.wait()
+    note("core_sigkill", core=0, at=time.monotonic())
+    soak.cores[addresses[0]] = _start_core(soak.env, soak.config, soak.logs, addresses[0])
+    await asyncio.to_thread(procs.wait_healthy, addresses[0], soak.cores[addresses[0]], 120)
+    note("core_restarted", core=0)
+    await asyncio.sleep(max(0.0, 0.8 * n - (time.monotonic() - t0)))
+    await kill_worker()
+
+
+# ---- set-up ---------------------------------------------------------------------------------
+
+
+def _start_core(
+    env: dict[str, str], config: Path, logs: Path, address: str
+) -> subprocess.Popen[bytes]:
+    port = address.rsplit(":", 1)[1]
+    env = {
+        **env,
+        "VISOR_CORE_LISTEN": address,
+        "VISOR_CORE_CORE_ID": f"soak-core-{port}",
+        "VISOR_CACHE_PATH": str(logs / f"cache-{port}"),
+    }
+    return procs.start("core", env, config, log_path=logs / f"core-{port}.log")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(settings: SoakSettings, logs: Path) -> Soak:
+    cores = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
+    gateway = f"127.0.0.1:{_free_port()}"
+    config = logs / "soak.toml"
+    config.write_text(
+        f'[[tenants]]\nid = "quiet"\nkey_sha256 = "{key_sha256(QUIET_KEY)}"\n\n'
+        f'[[tenants]]\nid = "noisy"\nkey_sha256 = "{key_sha256(NOISY_KEY)}"\n'
+    )
+    env = {
+        "VISOR_CORE_MODEL": str(settings.model),
+        "VISOR_CORE_METRICS_LISTEN": "",
+        "VISOR_GATEWAY_LISTEN": gateway,
+        "VISOR_GATEWAY_CORES": ",".join(cores),
+        "VISOR_GATEWAY_METRICS_LISTEN": "",
+        "VISOR_GATEWAY_DEFAULT_DEADLINE_S": str(settings.deadline_s),
+    }
+    started = {address: _start_core(env, config, logs, address) for address in cores}
+    for address, proc in started.items():
+        procs.wait_healthy(address, proc, timeout_s=180)
+    gw = procs.start("gateway", env, config, log_path=logs / "gateway.log")
+    procs.wait_healthy(gateway, gw, timeout_s=60)
+    return Soak(settings, gateway, env, config, logs, started, gw)
+
+
+def stop(soak: Soak) -> None:
+    for proc in (soak.gateway_proc, *soak.cores.values()):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)  # a core left stopped would ignore SIGTERM
+        procs.stop(proc)
+
+
+# ---- the run and its report -----------------------------------------------------------------
+
+
+async def run(soak: Soak) -> dict[str, Any]:
+    s = soak.settings
+    t0 = time.monotonic()
+    sampling = asyncio.Event()
+    sampler = asyncio.create_task(_sample_usage(soak, sampling, t0))
+    await _warm(soak)
+    await _quiet(soak, time.monotonic() + s.seconds_alone, "alone")
+    baseline = _snapshot(soak)
+    noise_start = time.monotonic()
+    end = noise_start + s.seconds_noisy
+    noisy = [asyncio.create_task(_noisy(soak, end, i)) for i in range(s.noisy_streams)]
+    faults = asyncio.create_task(_faults(soak, noise_start))
+    await _quiet(soak, end, "beside-noise")
+    await asyncio.gather(faults, *noisy)
+    await asyncio.sleep(s.settle_s)
+    final = _snapshot(soak)
+    sampling.set()
+    await sampler
+    return report(soak, baseline, final, t0)
+
+
+def _snapshot(soak: Soak) -> dict[str, dict[str, float]]:
+    named = {"gateway": soak.gateway_proc}
+    named.update({f"core{i}": p for i, p in enumerate(soak.cores.values())})
+    out = {}
+    for name, proc in named.items():
+        rss, fds = _usage(proc.pid)
+        out[name] = {"rss_mb": round(rss / 2**20, 1), "fds": fds}
+    return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
+
+
+def report(
+    soak: Soak, baseline: dict[str, dict[str, float]], final: dict[str, dict[str, float]], t0: float
+) -> dict[str, Any]:
+    s = soak.settings
+    kill_at = next((f["at"] for f in soak.faults if f["kind"] == "core_sigkill"), None)
+    outcomes: dict[str, Counter[str]] = {"quiet": Counter(), "noisy": Counter()}
+    by_kind: dict[str, Counter[str]] = {}
+    lat = {"alone": [], "beside-noise": []}  # type: dict[str, list[float]]
+    lost, excused, late = [], 0, 0
+    for r in soak.records:
+        outcomes[r.tenant][r.outcome] += 1
+        if r.tenant == "noisy":
+            by_kind.setdefault(r.kind, Counter())[r.outcome] += 1
+        if r.end - r.start > s.deadline_s + 1.0:
+            late += 1
+        if r.tenant != "quiet":
+            continue
+        if r.outcome == "ok":
+            lat[r.kind].append((r.end - r.start) * 1000)
+        elif kill_at is not None and r.start <= kill_at <= r.end:
+            excused += 1  # in flight on the core that was killed
+        else:
+            lost.append({"t": round(r.start - t0, 2), "outcome": r.outcome})
+    p99_alone, p99_noisy = _pct(lat["alone"], 0.99), _pct(lat["beside-noise"], 0.99)
+    returned = {
+        name: {
+            "rss": final[name]["rss_mb"] <= max(1.25 * base["rss_mb"], base["rss_mb"] + 64),
+            "fds": final[name]["fds"] <= base["fds"] + 8,
+        }
+        for name, base in baseline.items()
+        if name in final
+    }
+    ratio = p99_noisy / p99_alone if p99_alone else float("nan")
+    return {
+        "bench": "soak",
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(s).items()},
+        "machine": f"{os.cpu_count()} CPUs",
+        "outcomes": {t: dict(c) for t, c in outcomes.items()},
+        "noisy_by_kind": {k: dict(c) for k, c in sorted(by_kind.items())},
+        "quiet": {
+            "alone": {
+                "n": len(lat["alone"]),
+                "p50_ms": _pct(lat["alone"], 0.5),
+                "p99_ms": p99_alone,
+            },
+            "beside_noise": {
+                "n": len(lat["beside-noise"]),
+                "p50_ms": _pct(lat["beside-noise"], 0.5),
+                "p99_ms": p99_noisy,
+            },
+            "p99_ratio": round(ratio, 3),
+            "lost": lost,
+            "excused_in_flight_on_killed_core": excused,
+        },
+        "past_deadline_plus_1s": late,
+        "faults": [{k: v for k, v in f.items() if k != "at"} for f in soak.faults],
+        "resources": {"baseline": baseline, "final": final, "returned": returned},
+        "usage_over_time": soak.usage[:: max(1, len(soak.usage) // 30)],
+        "targets": {
+            "quiet_lost_none": not lost,
+            "quiet_p99_ratio_le_1_5": bool(ratio <= 1.5),
+            "nothing_past_deadline": late == 0,
+            "resources_returned": all(v["rss"] and v["fds"] for v in returned.values()),
+        },
+    }
+
+
+def main(settings: SoakSettings, logs: Path, out: Path | None) -> int:
+    logs.mkdir(parents=True, exist_ok=True)
+    soak = start(settings, logs)
+    try:
+        result = asyncio.run(run(soak))
+    finally:
+        stop(soak)
+    text = json.dumps(result, indent=2, default=float)
+    if out is not None:
+        out.write_text(text + "\n")
+    print(text)
+    return 0 if all(result["targets"].values()) else 1
