@@ -55,6 +55,21 @@ def profile(name: str) -> Profile:
     return found
 
 
+def tile_target(tokens: int, step: Step) -> int:
+    """Tokens a tile of `tokens` keeps after `step` (a method may keep fewer, never more)."""
+    return max(1, round(tokens * step.keep))
+
+
+def visual_tokens(tokens_per_tile: int, num_tiles: int, chosen: Profile) -> int:
+    """The most visual tokens an item of `num_tiles` tiles brings to the LLM under `chosen`:
+    arithmetic on the declared grid, so admission can count before any pixel or token exists,
+    with the same targets `compress_item` uses."""
+    kept = tokens_per_tile
+    for step in chosen.steps:
+        kept = min(kept, tile_target(tokens_per_tile, step))
+    return num_tiles * kept
+
+
 def compress_item(
     features: np.ndarray, importance: np.ndarray, num_tiles: int, chosen: Profile, seed: int = 0
 ) -> np.ndarray:
@@ -67,7 +82,7 @@ def compress_item(
         feats = features[t * tokens : (t + 1) * tokens].astype(np.float32)
         scores = importance[t * tokens : (t + 1) * tokens].astype(np.float32)
         for step in chosen.steps:
-            target = max(1, round(tokens * step.keep))
+            target = tile_target(tokens, step)
             feats, scores = apply(step.method, feats, scores, target, seed + t)
         out.append(feats.astype(features.dtype, copy=False))
     return np.concatenate(out)

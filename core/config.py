@@ -93,6 +93,10 @@ class SchedulerConfig:
     batch_size: int = 8  # requests per fixed batch (request-count)
     max_request_tokens: int = 8192  # visual + text + max_new_tokens of one request
     max_waiting: int = 256  # requests waiting for admission; past it -> OVERLOADED
+    max_items: int = 64  # media items per request (the gateway's max_items x max_sampled_frames)
+    max_item_tiles: int = 16  # tiles per item, thumbnail included (the gateway sends max_tiles + 1)
+    max_stop_strings: int = 16  # stop strings per request (the gateway's own cap is lower)
+    max_stop_bytes: int = 256  # UTF-8 bytes per stop string
     block_size: int = 16  # tokens per KV block; a multiple of 16
     kv_cache_mb: int = 1024  # memory of the paged KV cache
     chunked_prefill: bool = True  # spread long prefills over several steps
@@ -108,6 +112,12 @@ class SchedulerConfig:
         if min(self.max_num_seqs, self.batch_size, self.max_waiting, self.kv_cache_mb) < 1:
             raise ConfigError(
                 "[scheduler] max_num_seqs, batch_size, max_waiting, kv_cache_mb must be >= 1"
+            )
+        caps = (self.max_items, self.max_item_tiles, self.max_stop_strings, self.max_stop_bytes)
+        if min(caps) < 1:
+            raise ConfigError(
+                "[scheduler] max_items, max_item_tiles, max_stop_strings and max_stop_bytes "
+                "must be >= 1"
             )
         if self.decode_step_tokens < 0:
             raise ConfigError("[scheduler] decode_step_tokens must be >= 0")

@@ -35,12 +35,13 @@ from core.kv_cache import ImageSpan, KVCacheManager
 from core.model import llava
 from core.model.paged import PagedKV
 from core.model.tokenizer import ChatTokenizer
-from core.runner import ModelRunner
+from core.runner import ModelRunner, finished
 from core.scheduler import Scheduler, SchedulerOutput
-from core.sequence import EngineFailure, Event, Finished, RequestStatus, Sequence
-from core.types import CoreInfo, Delta, InferRequest, Result, SamplingParams
+from core.sequence import EngineFailure, Event, Finished, RequestStatus, Sequence, Token
+from core.types import CoreInfo, Delta, InferRequest, ItemSpec, Result, SamplingParams
 from shared import logs
 from shared.errors import Reason, VisorError
+from shared.sampling import check_sampling, check_stop
 
 PREPROCESS_VERSION = "pp1"
 T = TypeVar("T")
@@ -143,6 +144,8 @@ class Engine:
             sc.max_request_tokens, text.max_position_embeddings, num_blocks * sc.block_size
         )
         self.max_waiting = sc.max_waiting
+        self.max_items, self.max_item_tiles = sc.max_items, sc.max_item_tiles
+        self.max_stop_strings, self.max_stop_bytes = sc.max_stop_strings, sc.max_stop_bytes
         self.kv_manager = KVCacheManager(num_blocks, sc.block_size, sc.prefix_caching)
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -172,30 +175,54 @@ class Engine:
         return await asyncio.wrap_future(done)
 
     def check_request(self, req: InferRequest) -> None:
-        """Refuses, before any compute: items whose declared geometry is not what this encoder
-        takes, requests that could never fit (TOKEN_BUDGET) and arrivals past a full queue."""
-        size = self.info.image_size
+        """Refuses, before any compute and in time that does not depend on what the header
+        declares: bad sampling values, more items or tiles than this core takes, items whose
+        declared geometry is not what this encoder takes, requests that could never fit
+        (TOKEN_BUDGET; visual tokens are counted from the declared grids, text tokens with one
+        token per image slot) and arrivals past a full queue."""
+        p = req.params
+        check_sampling(p.temperature, p.top_p, p.top_k, p.min_new_tokens, p.max_new_tokens)
+        check_stop(p.stop, self.max_stop_strings, self.max_stop_bytes)
+        if p.max_new_tokens < 1:
+            raise VisorError(Reason.INVALID_REQUEST, "max_new_tokens must be >= 1")
+        if len(req.items) > self.max_items:
+            raise VisorError(
+                Reason.IMAGE_COUNT_LIMIT, f"more than the core's max_items ({self.max_items})"
+            )
         for item in req.items:
-            tiles = num_tiles(item.tile_rows, item.tile_cols)
-            if (
-                item.preprocess_version != self.info.preprocess_version
-                or item.resolution != size
-                or item.dtype not in self.info.accepted_dtypes
-                or item.shape != (tiles, 3, size, size)
-            ):
-                raise VisorError(
-                    Reason.INVALID_REQUEST, "item geometry does not match this core's encoder"
-                )
+            self._check_item(item)
         if sum(t.num_images for t in req.turns) != len(req.items):
             raise VisorError(Reason.INVALID_REQUEST, "turns show a different number of items")
-        keep = 1.0
-        for step in compression.profile(req.profile).steps:
-            keep = min(keep, step.keep)
-        per_tile = max(1, int(self.info.tokens_per_tile * keep))
-        visual = [num_tiles(i.tile_rows, i.tile_cols) * per_tile for i in req.items]
-        ids = self.tokenizer.encode_chat(list(req.turns), visual)
-        self._check_budget(len(ids) + req.params.max_new_tokens)
+        chosen = compression.profile(req.profile)
+        ids = self.tokenizer.encode_prompt(list(req.turns))
+        if ids.count(self.model.cfg.image_token_id) != len(req.items):
+            raise VisorError(Reason.INVALID_REQUEST, "the chat template has other image places")
+        per_tile = self.info.tokens_per_tile
+        visual = sum(
+            compression.visual_tokens(per_tile, num_tiles(i.tile_rows, i.tile_cols), chosen)
+            for i in req.items
+        )
+        self._check_budget(len(ids) - len(req.items) + visual + p.max_new_tokens)
         self._check_queue()
+
+    def _check_item(self, item: ItemSpec) -> None:
+        tiles = num_tiles(item.tile_rows, item.tile_cols)
+        if tiles < 1 or tiles > self.max_item_tiles:
+            raise VisorError(
+                Reason.INVALID_REQUEST,
+                f"an item's tile grid is empty or over the core's max_item_tiles "
+                f"({self.max_item_tiles})",
+            )
+        size = self.info.image_size
+        if (
+            item.preprocess_version != self.info.preprocess_version
+            or item.resolution != size
+            or item.dtype not in self.info.accepted_dtypes
+            or item.shape != (tiles, 3, size, size)
+        ):
+            raise VisorError(
+                Reason.INVALID_REQUEST, "item geometry does not match this core's encoder"
+            )
 
     def _check_budget(self, total: int) -> None:
         if total > self.max_request_tokens:
@@ -248,11 +275,52 @@ class Engine:
         visual_before: int | None,
         content_keys: list[bytes] | None,
     ) -> AsyncGenerator[Delta | Result, None]:
-        visual = [int(f.shape[0]) for f in features]
-        self._check_budget(len(ids) + req.params.max_new_tokens)
-        keys = content_keys or [hashlib.sha256(f.tobytes()).digest() for f in features]
+        """Submits the request, then is its output processor (event-loop side, as in vLLM v1):
+        turns the model thread's token ids into text deltas, and ends the request at a stop
+        string, telling the model thread to drop it."""
         events: asyncio.Queue[Event] = asyncio.Queue()
-        seq = self._new_sequence(req, ids, visual, keys, _sink(events))
+        seq = self._submit(req, ids, features, content_keys, _sink(events))
+        visual = sum(int(f.shape[0]) for f in features)
+        stream = TextStream(self.tokenizer.detokenizer(), req.params.stop)
+        num_tokens, end = 0, None
+        try:
+            while end is None:
+                event = await events.get()
+                if isinstance(event, EngineFailure):
+                    raise VisorError(event.reason, _FAILURES[event.reason])
+                if isinstance(event, Token):
+                    num_tokens += 1
+                    text = stream.push(event.token_id)
+                    if stream.stopped:  # the model thread does not know: it drops it next
+                        end = finished(seq, num_tokens, "stop")
+                        self._cancel(seq.seq_id, cancelled=False)
+                    yield Delta(text, 1)
+                    continue
+                end = event
+                tail = stream.flush()
+                if tail:
+                    yield Delta(tail, 0)
+            timings.update(end.timings_ms)
+            yield _result(stream.text, end, len(ids) - visual, visual_before, visual, timings)
+        finally:
+            if end is None:
+                self._cancel(seq.seq_id)
+            elif not stream.stopped:
+                metrics.ACTIVE_GENERATIONS.dec()
+
+    def _submit(
+        self,
+        req: InferRequest,
+        ids: list[int],
+        features: list[np.ndarray],
+        content_keys: list[bytes] | None,
+        sink: Callable[[Event], None],
+    ) -> Sequence:
+        """Hands a new sequence to the model thread; refuses it over budget or a full queue."""
+        self._check_budget(len(ids) + req.params.max_new_tokens)
+        visual = [int(f.shape[0]) for f in features]
+        keys = content_keys or [hashlib.sha256(f.tobytes()).digest() for f in features]
+        seq = self._new_sequence(req, ids, visual, keys, sink)
         image = torch.from_numpy(np.concatenate(features)).float() if features else None
         with self._lock:
             self._check_queue()
@@ -263,24 +331,7 @@ class Engine:
             self._unqueue()
             raise
         metrics.ACTIVE_GENERATIONS.inc()
-        finished = False
-        try:
-            while True:
-                event = await events.get()
-                if isinstance(event, EngineFailure):
-                    raise VisorError(event.reason, _FAILURES[event.reason])
-                if isinstance(event, Delta):
-                    yield event
-                    continue
-                timings.update(event.timings_ms)
-                finished = True
-                yield _result(event, len(ids) - sum(visual), visual_before, sum(visual), timings)
-                return
-        finally:
-            if finished:
-                metrics.ACTIVE_GENERATIONS.dec()
-            else:
-                self._cancel(seq.seq_id)
+        return seq
 
     def _new_sequence(
         self,
@@ -303,7 +354,6 @@ class Engine:
             prompt_embeds=torch.empty(0),
             spans=_image_spans(ids, self.model.cfg.image_token_id, visual, keys),
             params=params,
-            stream=TextStream(self.tokenizer.decode, params.stop),
             gen=torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF),
             sink=sink,
             arrival=time.perf_counter(),
@@ -325,13 +375,15 @@ class Engine:
         self.scheduler.add(seq)
         self._num_waiting = self.scheduler.num_waiting
 
-    def _cancel(self, seq_id: int) -> None:
-        """Frees a request nobody reads any more. It counts as cancelled once the model thread
-        has dropped it, so no token is generated for it after the metric says so."""
+    def _cancel(self, seq_id: int, cancelled: bool = True) -> None:
+        """Frees a request nobody reads any more (or that a stop string ended: not `cancelled`).
+        It stops counting as active once the model thread has dropped it, so no token is
+        generated for it after the metric says so."""
 
         def counted() -> None:
             metrics.ACTIVE_GENERATIONS.dec()
-            metrics.CANCELLED_GENERATIONS.inc()
+            if cancelled:
+                metrics.CANCELLED_GENERATIONS.inc()
 
         def abort() -> None:
             self._abort(seq_id)
@@ -424,10 +476,15 @@ def _image_spans(
 
 
 def _result(
-    event: Finished, text_tokens: int, before: int | None, after: int, timings: dict[str, float]
+    text: str,
+    event: Finished,
+    text_tokens: int,
+    before: int | None,
+    after: int,
+    timings: dict[str, float],
 ) -> Result:
     return Result(
-        text=event.text,
+        text=text,
         text_tokens=text_tokens,
         visual_tokens_before=after if before is None else before,
         visual_tokens_after=after,

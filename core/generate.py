@@ -1,68 +1,115 @@
-"""Sampling, stop strings and incremental detokenisation for one sequence."""
+"""Sampling (model thread) and the output side of one sequence: incremental detokenisation and
+stop strings (the caller's event loop)."""
 
 from __future__ import annotations
+
+import math
+from typing import Protocol
 
 import torch
 
 from core.types import SamplingParams
+from shared.sampling import GREEDY_BELOW, MAX_TEMPERATURE
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    """Next token id: greedy at temperature 0, else temperature + top-k + top-p sampling."""
-    if params.temperature <= 0:
+    """Next token id: greedy below GREEDY_BELOW, else temperature + top-k + top-p sampling.
+
+    Computes in float32 after subtracting the largest logit, so no temperature in range overflows
+    and the probabilities are never NaN; parameters outside their ranges (admission refuses them)
+    or logits without a finite value raise, and the runner ends this sequence alone."""
+    t = params.temperature
+    if not (math.isfinite(t) and 0 <= t <= MAX_TEMPERATURE and 0 <= params.top_p <= 1):
+        raise ValueError("sampling parameters outside their ranges")
+    if t < GREEDY_BELOW:
         return int(torch.argmax(logits))
-    scores = logits / params.temperature
+    logits = logits.float()
+    top = logits.max()
+    if not torch.isfinite(top):
+        raise ValueError("no finite logit to sample from")
+    scores = (logits - top) / t
     if 0 < params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if 0 < params.top_p < 1:
         sorted_scores, order = torch.sort(scores, descending=True)
-        cumulative = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
+        probs = torch.softmax(sorted_scores, dim=-1)
         # Drop a token when the mass before it already reaches top_p (the first always stays).
-        drop = (cumulative - torch.softmax(sorted_scores, dim=-1)) >= params.top_p
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
         scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=gen))
+
+
+class Detokenizer(Protocol):
+    def step(self, token: int) -> str:
+        """The text `token` completes ("" while a character is unfinished)."""
+
+    def rest(self) -> str:
+        """What an unfinished character at the end decodes to."""
 
 
 class TextStream:
-    """Turns generated ids into text deltas, holding back what may still become a stop string
-    or an unfinished UTF-8 character."""
+    """Turns generated ids into text deltas and finds stop strings, holding back what may still
+    become one. A token costs one incremental decode step and a search of the held-back tail plus
+    the new text, never of the whole output: a stop string cannot start in text already emitted,
+    since text that could begin one is held back until it cannot."""
 
-    def __init__(self, decode: object, stop: tuple[str, ...]) -> None:
-        self._decode = decode
+    def __init__(self, detok: Detokenizer, stop: tuple[str, ...]) -> None:
+        self._detok = detok
         self._stop = tuple(s for s in stop if s)
-        self.ids: list[int] = []
-        self._sent = 0  # characters of the text already emitted
+        # Per stop string, by character c: the lengths k (longest first) with stop[k - 1] == c,
+        # so the held-back check tries only prefixes that end like the text does.
+        self._ends: list[dict[str, list[int]]] = []
+        for s in self._stop:
+            ends: dict[str, list[int]] = {}
+            for k in range(len(s) - 1, 0, -1):
+                ends.setdefault(s[k - 1], []).append(k)
+            self._ends.append(ends)
+        self._sent: list[str] = []  # text emitted so far
+        self.held = ""  # text received, not yet emitted: it may still begin a stop string
         self.stopped = False
-        self.text = ""
+
+    @property
+    def text(self) -> str:
+        """The output so far, cut before a stop string once one matched."""
+        return "".join(self._sent) + self.held
 
     def push(self, token: int) -> str:
         """Adds one token; returns the text that is now safe to emit."""
-        self.ids.append(token)
-        text: str = self._decode(self.ids)  # type: ignore[operator]
-        for stop in self._stop:
-            at = text.find(stop)
-            if at != -1:
-                text, self.stopped = text[:at], True
-        self.text = text
-        safe = len(text) if self.stopped else self._safe_end(text)
-        if safe <= self._sent:
+        if self.stopped:
             return ""
-        delta, self._sent = text[self._sent : safe], safe
-        return delta
+        piece = self._detok.step(token)
+        if not piece:
+            return ""
+        window = self.held + piece
+        found = [at for s in self._stop if (at := window.find(s)) != -1]
+        if found:
+            self.held, self.stopped = "", True
+            return self._emit(window[: min(found)])
+        keep = self._held_back(window)
+        self.held = window[len(window) - keep :]
+        return self._emit(window[: len(window) - keep])
 
     def flush(self) -> str:
         """The rest of the text at the end of generation."""
-        delta, self._sent = self.text[self._sent :], len(self.text)
-        return delta
+        if self.stopped:
+            return ""
+        tail, self.held = self.held + self._detok.rest(), ""
+        return self._emit(tail)
 
-    def _safe_end(self, text: str) -> int:
-        base = len(text) - int(text.endswith("\ufffd"))
-        end = base
-        for stop in self._stop:
-            for k in range(min(len(stop) - 1, base), 0, -1):
-                if text[:base].endswith(stop[:k]):
-                    end = min(end, base - k)
+    def _emit(self, text: str) -> str:
+        if text:
+            self._sent.append(text)
+        return text
+
+    def _held_back(self, window: str) -> int:
+        """Length of the longest end of `window` that begins some stop string."""
+        longest = 0
+        for s, ends in zip(self._stop, self._ends, strict=True):
+            for k in ends.get(window[-1], ()):
+                if k <= longest:
                     break
-        return max(end, self._sent)
+                if k <= len(window) and window.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest

@@ -1,6 +1,6 @@
 """Runs one scheduled step on the model (model thread only): gathers each chunk's embeddings and
 slots, makes the batched forward pass, samples a token for every sequence that needs one, and
-streams text and the final event to each request."""
+sends token ids and the final event to each request (text and stop strings are the caller's)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from core.kv_cache import KVCacheManager
 from core.model import paged
 from core.model.llava import Llava
 from core.scheduler import Scheduler, SchedulerOutput
-from core.sequence import Finished, RequestStatus, Sequence
-from core.types import Delta
+from core.sequence import EngineFailure, Finished, RequestStatus, Sequence, Token
+from shared import logs
+
+log = logs.get("core.runner")
 
 
 class ModelRunner:
@@ -46,8 +48,21 @@ class ModelRunner:
         for chunk in out.chunks:
             seq = chunk.seq
             if seq.num_computed_tokens == seq.num_tokens:
-                self._advance(seq, logits[row])
+                self._advance_one(seq, logits[row])
                 row += 1
+
+    def _advance_one(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """`_advance`, where a failure (a sampling value admission should have refused, logits
+        without a finite value) ends this sequence alone with INTERNAL, never its step-mates. A
+        failure of the batched forward pass cannot be pinned on one sequence: the engine ends
+        every sequence of that step."""
+        try:
+            self._advance(seq, logits)
+        except Exception as exc:
+            log.error("advance_failed", error_type=type(exc).__name__, where=logs.error_site(exc))
+            if not seq.status.finished:
+                self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+            seq.sink(EngineFailure())
 
     @torch.inference_mode()
     def _forward(self, out: SchedulerOutput) -> torch.Tensor:
@@ -65,7 +80,7 @@ class ModelRunner:
         return embeds
 
     def _advance(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Samples the next token and streams it; ends the sequence on EOS, stop or length."""
+        """Samples the next token and sends it; ends the sequence on EOS or length."""
         params = seq.params
         produced = seq.num_output_tokens
         if produced < params.min_new_tokens:
@@ -80,25 +95,25 @@ class ModelRunner:
         if token in self.eos_ids:
             self.finish(seq, RequestStatus.FINISHED_STOPPED)
             return
-        seq.sink(Delta(seq.stream.push(token), 1))
-        if seq.stream.stopped:
-            self.finish(seq, RequestStatus.FINISHED_STOPPED)
-        elif seq.num_output_tokens >= params.max_new_tokens:
+        seq.sink(Token(token))
+        if seq.num_output_tokens >= params.max_new_tokens:
             self.finish(seq, RequestStatus.FINISHED_LENGTH)
 
     def finish(self, seq: Sequence, status: RequestStatus) -> None:
         self.scheduler.finish(seq, status)
-        tail = seq.stream.flush()
-        if tail:
-            seq.sink(Delta(tail, 0))
-        end = time.perf_counter()
-        n = seq.num_output_tokens
-        if n > 1:
-            metrics.TPOT.observe((end - seq.first_token) / (n - 1))
-        timings = {
-            "queue": (seq.first_scheduled - seq.arrival) * 1000,
-            "prefill": (seq.first_token - seq.first_scheduled) * 1000,
-            "generate": (end - seq.first_token) * 1000,
-        }
         reason = "length" if status == RequestStatus.FINISHED_LENGTH else "stop"
-        seq.sink(Finished(seq.stream.text, n, reason, timings))
+        seq.sink(finished(seq, seq.num_output_tokens, reason))
+
+
+def finished(seq: Sequence, num_output_tokens: int, reason: str) -> Finished:
+    """The final event of `seq` after `num_output_tokens` tokens, timed now (the model thread's
+    ends, and the caller's when a stop string matched)."""
+    end = time.perf_counter()
+    if num_output_tokens > 1:
+        metrics.TPOT.observe((end - seq.first_token) / (num_output_tokens - 1))
+    timings = {
+        "queue": (seq.first_scheduled - seq.arrival) * 1000,
+        "prefill": (seq.first_token - seq.first_scheduled) * 1000,
+        "generate": (end - seq.first_token) * 1000,
+    }
+    return Finished(num_output_tokens, reason, timings)

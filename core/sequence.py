@@ -1,5 +1,5 @@
-"""One request's state inside the scheduler: tokens, progress, and its generation state. Touched
-only on the model thread."""
+"""One request's state inside the scheduler: tokens, progress, and its generation state. Written
+only on the model thread (the caller's side reads its timestamps once a token has arrived)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.generate import TextStream
 from core.kv_cache import ImageSpan, hash_block
-from core.types import Delta, SamplingParams
+from core.types import SamplingParams
 from shared.errors import Reason
 
 
@@ -37,16 +36,24 @@ class EngineFailure(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class Finished:
-    """The last event of a request's stream."""
+class Token:
+    """One sampled token. The model thread sends ids only: detokenising and stop strings run on
+    the caller's event loop, so their cost never lands on the thread every tenant shares."""
 
-    text: str  # the whole output
+    token_id: int  # the sampled id (never an end-of-sequence id)
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The last event of a request's stream from the model thread (a stop string, found on the
+    caller's side, ends a stream without one)."""
+
     num_output_tokens: int  # generated tokens (an end-of-sequence token counts)
     finish_reason: str  # "stop" or "length"
     timings_ms: dict[str, float]  # queue, prefill, generate
 
 
-Event = Delta | Finished | EngineFailure
+Event = Token | Finished | EngineFailure
 
 
 @dataclass(eq=False, slots=True)
@@ -59,7 +66,6 @@ class Sequence:
     prompt_embeds: torch.Tensor  # (num_prompt_tokens, hidden), images already in place
     spans: tuple[ImageSpan, ...]  # where images sit in the prompt
     params: SamplingParams  # generation controls
-    stream: TextStream  # detokeniser + stop strings
     gen: torch.Generator  # sampling randomness
     sink: Callable[[Event], None]  # delivers events to the caller's event loop
     arrival: float  # perf_counter at submission

@@ -98,6 +98,8 @@ class LimitsConfig:
     max_request_bytes: int = 48 * MIB  # encoded bytes per request, all items
     max_prompt_bytes: int = 16 * 1024  # UTF-8 bytes of all text in the request
     max_new_tokens: int = 512  # cap on GenerationParams.max_new_tokens
+    max_stop_strings: int = 8  # stop strings per request
+    max_stop_bytes: int = 64  # UTF-8 bytes per stop string
     default_new_tokens: int = 128  # when a request asks for 0
     max_pixels: int = 7680 * 4320  # pixels per frame, read from the header
     max_side: int = 16384  # width or height, read from the header

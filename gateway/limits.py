@@ -5,6 +5,7 @@ from __future__ import annotations
 from gateway.config import LimitsConfig
 from gateway.types import Ask
 from shared.errors import Reason, VisorError
+from shared.sampling import check_sampling, check_stop
 from shared.wire import PROFILES
 
 
@@ -50,13 +51,11 @@ def check_request(limits: LimitsConfig, ask: Ask) -> int:
             Reason.INVALID_REQUEST, f"unknown compression profile; available: {', '.join(PROFILES)}"
         )
     p = ask.params
-    if p.temperature < 0 or not 0 <= p.top_p <= 1:
-        raise VisorError(Reason.INVALID_REQUEST, "temperature must be >= 0 and top_p in [0, 1]")
     wanted = p.max_new_tokens or limits.default_new_tokens
     if wanted > limits.max_new_tokens:
         raise VisorError(
             Reason.TOKEN_BUDGET, f"max_new_tokens exceeds the cap ({limits.max_new_tokens})"
         )
-    if p.min_new_tokens > wanted:
-        raise VisorError(Reason.INVALID_REQUEST, "min_new_tokens exceeds max_new_tokens")
+    check_sampling(p.temperature, p.top_p, p.top_k, p.min_new_tokens, wanted)
+    check_stop(p.stop, limits.max_stop_strings, limits.max_stop_bytes)
     return wanted

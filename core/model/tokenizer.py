@@ -1,14 +1,23 @@
-"""The checkpoint's tokenizer (`tokenizer.json`) and chat template (Jinja, sandboxed)."""
+"""The checkpoint's tokenizer (`tokenizer.json`) and chat template (Jinja, sandboxed).
+
+Users' text is always plain text: the template is rendered with a marker in place of each turn's
+text, only the template's own text may hold special tokens (`<s>`, `</s>`, `<image>`), and the
+users' text is tokenised with special-token parsing off. So `</s>` typed by a user is five
+characters, not an end of sequence, and `<image>` is text, not an image slot. Runs of text between
+the template's special tokens are tokenised whole, as before, so ordinary prompts get the same ids.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 IMAGE_TOKEN = "<image>"
 
@@ -23,6 +32,12 @@ class ChatTurn:
 class ChatTokenizer:
     def __init__(self, model_dir: Path, image_token_id: int) -> None:
         self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self._plain = Tokenizer.from_str(self.tok.to_str())  # for text that may come from users
+        self._plain.encode_special_tokens = True
+        added = self.tok.get_added_tokens_decoder().items()
+        self._special_ids = {t.content: i for i, t in added if t.special}
+        longest_first = sorted(self._special_ids, key=len, reverse=True)
+        self._specials = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
         cfg = _read_json(model_dir / "tokenizer_config.json")
         self.bos_token = _token_text(cfg.get("bos_token")) or "<s>"
         self.eos_token = _token_text(cfg.get("eos_token")) or "</s>"
@@ -48,12 +63,41 @@ class ChatTokenizer:
             eos_token=self.eos_token,
         )
 
-    def encode_chat(self, turns: list[ChatTurn], tokens_per_image: list[int]) -> list[int]:
-        """Token ids of the rendered conversation, each image placeholder expanded to its tokens."""
-        text = self.render(turns)
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+    def encode_prompt(self, turns: list[ChatTurn]) -> list[int]:
+        """Token ids of the rendered conversation, one image token per image slot of the template
+        (not expanded: admission counts tokens with it before any image is encoded)."""
+        marks = [f"\ue000{i}\ue001" for i in range(len(turns))]  # private-use: never in a template
+        rendered = self.render([replace(t, text=m) for t, m in zip(turns, marks, strict=True)])
+        ids: list[int] = []
+        text: list[str] = []  # plain text since the template's last special token
+        pos = 0
+        for turn, mark in zip(turns, marks, strict=True):
+            at = rendered.find(mark, pos)
+            if at == -1:
+                continue  # the template leaves this turn's text out
+            self._template(rendered[pos:at], text, ids)
+            text.append(turn.text)
+            pos = at + len(mark)
+        self._template(rendered[pos:], text, ids)
+        ids += self._plain.encode("".join(text), add_special_tokens=False).ids
         if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id, *ids]
+        return ids
+
+    def _template(self, part: str, text: list[str], ids: list[int]) -> None:
+        """Adds template text: its special tokens become their ids, the text between them (with
+        users' text before it) is tokenised as plain text."""
+        start = 0
+        for found in self._specials.finditer(part):
+            text.append(part[start : found.start()])
+            ids += self._plain.encode("".join(text), add_special_tokens=False).ids
+            ids.append(self._special_ids[found.group()])
+            text.clear()
+            start = found.end()
+        text.append(part[start:])
+
+    def expand(self, ids: list[int], tokens_per_image: list[int]) -> list[int]:
+        """`ids` with each image slot repeated to its image's number of visual tokens."""
         out: list[int] = []
         images = iter(tokens_per_image)
         for token in ids:
@@ -63,8 +107,38 @@ class ChatTokenizer:
                 out.append(token)
         return out
 
+    def encode_chat(self, turns: list[ChatTurn], tokens_per_image: list[int]) -> list[int]:
+        """Token ids of the rendered conversation, each image placeholder expanded to its tokens."""
+        return self.expand(self.encode_prompt(turns), tokens_per_image)
+
+    def detokenizer(self) -> Detokenizer:
+        return Detokenizer(self.tok)
+
     def decode(self, ids: list[int]) -> str:
         return str(self.tok.decode(ids, skip_special_tokens=True))
+
+
+class Detokenizer:
+    """Incremental decoding of one output: each token costs one step of `tokenizers`'
+    DecodeStream (it holds back an unfinished UTF-8 character), not a decode of every id so far."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self._tok = tok
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._pending: list[int] = []  # ids of an unfinished character
+
+    def step(self, token: int) -> str:
+        """The text `token` completes ("" while a character is unfinished)."""
+        piece = self._stream.step(self._tok, token)
+        if piece is None:
+            self._pending.append(token)
+            return ""
+        self._pending.clear()
+        return str(piece)
+
+    def rest(self) -> str:
+        """An unfinished character at the end, as a whole decode shows it (U+FFFD)."""
+        return str(self._tok.decode(self._pending, skip_special_tokens=True))
 
 
 def _read_json(path: Path) -> dict[str, Any]:

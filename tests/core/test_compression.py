@@ -74,3 +74,13 @@ def test_profiles() -> None:
     with pytest.raises(VisorError) as info:
         compression.profile("ultra")
     assert info.value.reason.value == "INVALID_REQUEST"
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 7, 16, 64, 169, 576, 577])
+def test_admission_counts_what_compression_produces(tokens: int) -> None:
+    """Admission counts an item's visual tokens from its grid alone; the count must be what the
+    profile's steps really leave (a rounding mismatch refused requests at the limit late)."""
+    feats, scores = _tile(3 * tokens, 8)
+    for chosen in compression.PROFILES.values():
+        out = compression.compress_item(feats, scores, 3, chosen, seed=1)
+        assert compression.visual_tokens(tokens, 3, chosen) == out.shape[0], chosen.name

@@ -27,7 +27,6 @@ def _seq(seq_id: int, prompt: int, new: int) -> Sequence:
         prompt_embeds=torch.empty(0),
         spans=(),
         params=SamplingParams(max_new_tokens=new),
-        stream=None,  # type: ignore[arg-type]  # no text is produced here
         gen=torch.Generator(),
         sink=lambda event: None,
         arrival=0.0,

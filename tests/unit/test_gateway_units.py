@@ -51,6 +51,7 @@ def test_limits() -> None:
         default_new_tokens=4,
     )
     assert check_request(lim, _ask()) == 4
+    assert check_request(lim, _ask(temperature=1e-38, top_k=1000, top_p=0.0)) == 4
     assert check_request(lim, _ask(max_new_tokens=8)) == 8
     cases = [
         (_ask(media=(b"x",) * 3), Reason.IMAGE_COUNT_LIMIT),
@@ -60,12 +61,28 @@ def test_limits() -> None:
         (_ask(max_new_tokens=9), Reason.TOKEN_BUDGET),
         (_ask(""), Reason.INVALID_REQUEST),
         (_ask(temperature=-1.0), Reason.INVALID_REQUEST),
+        (_ask(temperature=float("nan")), Reason.INVALID_REQUEST),
+        (_ask(temperature=float("inf"), min_new_tokens=2), Reason.INVALID_REQUEST),
+        (_ask(temperature=101.0), Reason.INVALID_REQUEST),
+        (_ask(top_p=float("nan")), Reason.INVALID_REQUEST),
+        (_ask(top_k=1001), Reason.INVALID_REQUEST),
+        (_ask(min_new_tokens=5), Reason.INVALID_REQUEST),
     ]
     for ask, reason in cases:
         with pytest.raises(VisorError) as info:
             check_request(lim, ask)
         assert info.value.reason is reason
         assert "toolong" not in info.value.message
+
+
+def test_stop_string_limits() -> None:
+    lim = LimitsConfig(max_stop_strings=8, max_stop_bytes=64)
+    assert check_request(lim, _ask(stop=("b" * 64,) * 8)) == lim.default_new_tokens
+    for stop, limit in [(("a",) * 9, "max_stop_strings (8)"), (("é" * 33,), "max_stop_bytes (64)")]:
+        with pytest.raises(VisorError) as info:
+            check_request(lim, _ask(stop=stop))  # 33 x "é" is 66 UTF-8 bytes
+        assert info.value.reason is Reason.INVALID_REQUEST and limit in info.value.message
+        assert "é" not in info.value.message
 
 
 def test_auth_dev_key_only_on_loopback() -> None:
