@@ -47,6 +47,10 @@ class GatewayConfig:
     rate_per_tenant: float = 0.0  # requests per second per tenant (token bucket); 0 = no cap
     burst_per_tenant: int = 0  # token-bucket size; 0 = max(1, rate_per_tenant)
     video: bool = True  # MP4/WebM (H.264, VP9, AV1) accepted; false: UNSUPPORTED_FORMAT
+    max_requests_in_flight: int = 512  # Generate calls admitted at once, all tenants; OVERLOADED
+    upload_idle_timeout_s: float = 10.0  # an upload whose next message takes longer is ended
+    max_upload_bytes_in_flight: int = 256 * MIB  # bytes held by unfinished uploads; OVERLOADED
+    core_attempt_timeout_s: float = 5.0  # one core's Describe and cache reply; slower = down
 
     def validate(self) -> None:
         split_host_port(self.listen)
@@ -73,6 +77,17 @@ class GatewayConfig:
             raise ConfigError("[gateway] per-tenant quotas must be >= 0 (0 = no cap)")
         if min(self.health_interval_s, self.health_timeout_s, self.dns_refresh_s) <= 0:
             raise ConfigError("[gateway] health_interval_s, health_timeout_s, dns_refresh_s > 0")
+        admission = (
+            self.max_requests_in_flight,
+            self.upload_idle_timeout_s,
+            self.max_upload_bytes_in_flight,
+            self.core_attempt_timeout_s,
+        )
+        if min(admission) <= 0:
+            raise ConfigError(
+                "[gateway] max_requests_in_flight, upload_idle_timeout_s, "
+                "max_upload_bytes_in_flight and core_attempt_timeout_s must be > 0"
+            )
 
     def _validate_cores(self) -> None:
         if not self.cores:

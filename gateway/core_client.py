@@ -5,6 +5,7 @@ which the router may fail over)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -194,12 +195,19 @@ class CoreClient:
         timeout: float | None,
         pixels_for: Callable[[list[int]], Awaitable[list[np.ndarray]]],
         on_transfer: Callable[[float], None],
+        handshake_timeout: float | None = None,
     ) -> AsyncIterator[Delta | CoreFinal]:
-        """Runs the handshake; `pixels_for(missing)` decodes only the items the core lacks."""
+        """Runs the handshake; `pixels_for(missing)` decodes only the items the core lacks. The
+        cache reply must come within `handshake_timeout` (a hung core is unreachable); the
+        tokens after it have the whole `timeout`."""
         call = self._stub.Infer(timeout=timeout)
         try:
-            await call.write(core_pb2.CoreMessage(header=_header(req)))
-            reply = await call.read()
+            try:
+                async with asyncio.timeout(handshake_timeout):
+                    await call.write(core_pb2.CoreMessage(header=_header(req)))
+                    reply = await call.read()
+            except TimeoutError:
+                raise CoreUnreachable("no cache reply within the attempt timeout") from None
             if reply is grpc.aio.EOF or reply.WhichOneof("kind") != "cache":
                 raise CoreUnreachable("the core ended the handshake")
             missing = [i for i, held in enumerate(reply.cache.held) if not held]

@@ -27,7 +27,6 @@ from gateway.core_client import (
     ItemHeader,
 )
 from gateway.pool import DecodePool
-from gateway.quota import Quotas
 from gateway.sniff import VIDEO, sniff
 from gateway.types import Ask, Delta, Final
 from shared.errors import Reason, VisorError
@@ -91,12 +90,12 @@ class Pipeline:
         pool: DecodePool,
         router: routing.Router,
         default_profile: str,
-        quotas: Quotas | None = None,
+        core_attempt_timeout_s: float = 5.0,
         video_enabled: bool = True,
     ) -> None:
         self.limits, self.pool, self.router = limits_cfg, pool, router
         self.default_profile = default_profile
-        self.quotas = quotas or Quotas(0, 0.0, 0)
+        self.attempt_timeout_s = core_attempt_timeout_s
         self.video_enabled = video_enabled
         lim = limits_cfg
         self.video_limits = video.VideoLimits(
@@ -116,13 +115,13 @@ class Pipeline:
         timings: dict[str, float],
         timeout: float | None,
     ) -> AsyncIterator[Delta | Final]:
-        """`started` is when the request arrived (perf_counter); `timings` holds `receive`."""
+        """`started` is when the request arrived (perf_counter); `timings` holds `receive`.
+        The caller has admitted the request (gateway.quota) before receiving it."""
         max_new = limits.check_request(self.limits, ask)
-        with self.quotas.admit(tenant):
-            async for event in self._generate(
-                tenant, request_id, ask, max_new, started, timings, timeout
-            ):
-                yield event
+        async for event in self._generate(
+            tenant, request_id, ask, max_new, started, timings, timeout
+        ):
+            yield event
 
     async def _generate(
         self,
@@ -143,14 +142,21 @@ class Pipeline:
         job = _Job(tenant, request_id, ask, max_new, media, formats, hashes, started, timeout)
         key = routing.route_key(tenant, hashes[0] if hashes else None, request_id)
         failure: VisorError = CoreUnreachable("no core configured")
+        # With every core marked down, all attempts share one attempt's time: a hung core (or
+        # several) answers the caller within about core_attempt_timeout_s, not its deadline.
+        attempts_by = (
+            None if self.router.healthy() else time.perf_counter() + self.attempt_timeout_s
+        )
         for core in self.router.candidates(key):
             streamed = False
             try:
-                async for event in self._on_core(core, job, timings):
+                async for event in self._on_core(core, job, timings, attempts_by):
                     streamed = streamed or isinstance(event, Delta)
                     yield event
                 return
             except CoreUnreachable as err:
+                if not streamed and job.remaining() == 0.0:  # our deadline, not the core's fault
+                    raise VisorError(Reason.DEADLINE_EXCEEDED, "the deadline passed") from None
                 self.router.mark_down(core)
                 if streamed:  # tokens already reached the client: never answer twice
                     raise
@@ -160,11 +166,26 @@ class Pipeline:
                 raise VisorError(Reason.DEADLINE_EXCEEDED, "the deadline passed")
         raise failure
 
+    def _attempt_s(self, job: _Job, attempts_by: float | None) -> float:
+        """How long one core may take to answer Describe or the cache handshake."""
+        limit = self.attempt_timeout_s
+        if attempts_by is not None:
+            limit = min(limit, max(0.0, attempts_by - time.perf_counter()))
+        remaining = job.remaining()
+        return limit if remaining is None else min(limit, remaining)
+
     async def _on_core(
-        self, core: CoreClient, job: _Job, timings: dict[str, float]
+        self, core: CoreClient, job: _Job, timings: dict[str, float], attempts_by: float | None
     ) -> AsyncIterator[Delta | Final]:
-        """One attempt on one core: its geometry, the plan for it, the handshake, the tokens."""
-        geo = await core.geometry(job.remaining())
+        """One attempt on one core: its geometry, the plan for it, the handshake, the tokens.
+        Describe and the cache reply must come within the attempt timeout (else the core counts
+        as unreachable and the next is tried); the tokens then have the request's deadline."""
+        try:
+            geo = await core.geometry(self._attempt_s(job, attempts_by))
+        except VisorError as err:
+            if err.reason is not Reason.DEADLINE_EXCEEDED:
+                raise
+            raise CoreUnreachable("Describe timed out") from None
         if geo.image_size not in job.plans:  # cores of one deployment share it: plan once
             job.plans[geo.image_size] = await self._plan(
                 job.media, job.formats, job.ask.detail, geo, timings, job.deadline
@@ -194,7 +215,9 @@ class Pipeline:
             _images_per_turn(ask, plans),
         )
         first = True
-        async for event in core.infer(req, job.remaining(), pixels_for, on_transfer):
+        handshake_s = self._attempt_s(job, attempts_by)
+        events = core.infer(req, job.remaining(), pixels_for, on_transfer, handshake_s)
+        async for event in events:
             if isinstance(event, Delta):
                 if first and event.text:
                     timings["ttft"], first = _ms(job.started), False

@@ -1,14 +1,19 @@
-"""Per-tenant admission: how many requests a tenant may have in flight, and how many it may start
-per second (a token bucket). Refusals are QUOTA_EXCEEDED, before any media is parsed."""
+"""Admission: how many requests the gateway and each tenant may have in flight, how many a tenant
+may start per second (a token bucket), and how many bytes unfinished uploads may hold. A request
+is admitted right after authentication, before its body is received, so a stalled upload counts
+from the moment it opens. Refusals are QUOTA_EXCEEDED (the tenant's own limits) or OVERLOADED
+(the gateway's), each with its reason, before any media is parsed."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from shared.errors import Reason, VisorError
+
+MIB = 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -20,12 +25,15 @@ class _Bucket:
 
 @dataclass(slots=True)
 class Quotas:
-    """`max_concurrent` 0 = no cap; `rate_per_s` 0 = no rate limit; `burst` defaults to the rate.
-    State lives in one event loop, so plain counters are enough (no locks)."""
+    """`max_concurrent` 0 = no cap; `rate_per_s` 0 = no rate limit; `burst` defaults to the rate;
+    `max_in_flight` 0 = no gateway-wide cap. State lives in one event loop, so plain counters are
+    enough (no locks)."""
 
     max_concurrent: int  # requests in flight per tenant
     rate_per_s: float  # sustained requests per second per tenant
     burst: int  # bucket size
+    max_in_flight: int = 0  # requests in flight, all tenants together
+    num_in_flight: int = 0  # requests admitted and not finished, all tenants
     _buckets: dict[str, _Bucket] = field(default_factory=dict)
 
     def _bucket(self, tenant: str) -> _Bucket:
@@ -41,6 +49,13 @@ class Quotas:
 
     @contextmanager
     def admit(self, tenant: str) -> Iterator[None]:
+        """Holds one slot of the gateway's and one of `tenant`'s until the block ends."""
+        if self.max_in_flight and self.num_in_flight >= self.max_in_flight:
+            raise VisorError(
+                Reason.OVERLOADED,
+                f"the gateway has max_requests_in_flight ({self.max_in_flight}) requests running; "
+                "retry later",
+            )
         bucket = self._bucket(tenant)
         if self.max_concurrent and bucket.in_flight >= self.max_concurrent:
             raise VisorError(
@@ -56,7 +71,40 @@ class Quotas:
                 )
             bucket.tokens -= 1.0
         bucket.in_flight += 1
+        self.num_in_flight += 1
         try:
             yield
         finally:
             bucket.in_flight -= 1
+            self.num_in_flight -= 1
+
+
+@dataclass(slots=True)
+class UploadBytes:
+    """Bytes held by uploads still being received, all clients together: a bound on the memory
+    that slow or stalled uploads can pin, whatever each request's own byte limits allow."""
+
+    max_bytes: int  # cap on bytes held by unfinished uploads
+    num_bytes: int = 0  # bytes they hold now
+
+    @contextmanager
+    def hold(self) -> Iterator[Callable[[int], None]]:
+        """Yields `take(n)`, which accounts `n` more bytes of this upload or refuses OVERLOADED;
+        everything taken is given back when the block ends, however it ends."""
+        held = 0
+
+        def take(num_bytes: int) -> None:
+            nonlocal held
+            if self.num_bytes + num_bytes > self.max_bytes:
+                raise VisorError(
+                    Reason.OVERLOADED,
+                    "unfinished uploads hold max_upload_bytes_in_flight "
+                    f"({self.max_bytes / MIB:g} MiB); retry later",
+                )
+            self.num_bytes += num_bytes
+            held += num_bytes
+
+        try:
+            yield take
+        finally:
+            self.num_bytes -= held

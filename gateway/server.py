@@ -16,16 +16,14 @@ from gateway.auth import Authenticator
 from gateway.config import MIB, GatewayConfig, LimitsConfig, Tenant
 from gateway.pipeline import Pipeline
 from gateway.pool import DecodePool, PoolSettings
-from gateway.quota import Quotas
+from gateway.quota import Quotas, UploadBytes
 from gateway.routing import Router, RouterSettings
 from gateway.sandbox import PROTECTIONS
-from gateway.servicer import GatewayServicer
+from gateway.servicer import SERVICE, GatewayServicer, Receiving, add_to_server
 from shared import logs, metrics, serving
 from shared.config import ConfigError
 from shared.net import is_loopback
-from shared.proto import gateway_pb2_grpc
 
-SERVICE = "visor.v1.Gateway"
 # Health service that is SERVING only while every sandbox protection is active on this host, so
 # a probe (or `grpc_health_probe -service visor.sandbox`) can see a weakened deployment.
 SANDBOX_HEALTH = "visor.sandbox"
@@ -108,7 +106,9 @@ def new_server(cfg: GatewayConfig) -> grpc.aio.Server:
             ("grpc.keepalive_time_ms", 60 * ms),
             ("grpc.keepalive_timeout_ms", 20 * ms),
         ],
-        maximum_concurrent_rpcs=cfg.max_concurrent_streams * 4,
+        # Our own cap (max_requests_in_flight) refuses first, as OVERLOADED with ErrorInfo;
+        # gRPC's refuses without one, so it stays above ours (and health checks) as a backstop.
+        maximum_concurrent_rpcs=2 * cfg.max_requests_in_flight + 64,
     )
 
 
@@ -135,15 +135,28 @@ async def run(cfg: GatewayConfig, lim: LimitsConfig, tenants: tuple[Tenant, ...]
         auth = Authenticator.for_listen(tenants, is_loopback(cfg.listen))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if cfg.max_upload_bytes_in_flight < lim.max_request_bytes:
+        # Otherwise one request within its limits could never be uploaded, even alone.
+        raise ConfigError(
+            "[gateway] max_upload_bytes_in_flight must be >= [limits] max_request_bytes"
+        )
     log.info("pillow", **pillow_build())
     pool = _start_pool(cfg, lim, log)
     router = Router(RouterSettings.from_config(cfg))
     await router.start()
-    quotas = Quotas(cfg.max_concurrent_per_tenant, cfg.rate_per_tenant, cfg.burst_per_tenant)
+    quotas = Quotas(
+        cfg.max_concurrent_per_tenant,
+        cfg.rate_per_tenant,
+        cfg.burst_per_tenant,
+        cfg.max_requests_in_flight,
+    )
+    uploads = UploadBytes(cfg.max_upload_bytes_in_flight)
+    receiving = Receiving(cfg.default_deadline_s, cfg.upload_idle_timeout_s)
     server = new_server(cfg)
-    pipeline = Pipeline(lim, pool, router, cfg.default_profile, quotas, cfg.video)
-    servicer = GatewayServicer(auth, pipeline, lim, cfg.default_deadline_s)
-    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    pipeline = Pipeline(
+        lim, pool, router, cfg.default_profile, cfg.core_attempt_timeout_s, cfg.video
+    )
+    add_to_server(GatewayServicer(auth, pipeline, lim, quotas, uploads, receiving), server)
     health = serving.add_health_and_reflection(server, [SERVICE])
     serving.bind(server, cfg.listen)
     metrics.serve(cfg.metrics_listen)

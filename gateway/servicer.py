@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from gateway import limits, metrics
 from gateway.auth import Authenticator
 from gateway.config import LimitsConfig
 from gateway.pipeline import Pipeline
+from gateway.quota import Quotas, UploadBytes
 from gateway.types import Ask, Delta, Final, Params, Turn
 from shared import logs
 from shared.errors import Reason, VisorError
@@ -22,6 +27,32 @@ from shared.status import to_status
 log = logs.get("gateway.servicer")
 ROLES = {0: "user", 1: "user", 2: "assistant", 3: "system"}
 DETAILS = {0: "auto", 1: "low", 2: "high"}
+SERVICE = "visor.v1.Gateway"
+
+
+class Malformed:
+    """Stands in for a message whose bytes do not parse: gRPC would refuse it before the handler
+    runs (UNKNOWN, no ErrorInfo, before authentication); this way the handler authenticates
+    first and then refuses it as INVALID_REQUEST."""
+
+    __slots__ = ()
+
+
+MALFORMED = Malformed()
+
+
+def _not_proto() -> VisorError:
+    return VisorError(Reason.INVALID_REQUEST, "a message does not parse as the declared proto")
+
+
+def _lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError:
+            return MALFORMED
+
+    return deserialize
 
 
 def ask_from_proto(req: gateway_pb2.GenerateRequest, media: list[bytes] | None = None) -> Ask:
@@ -63,52 +94,72 @@ def _event(out: Delta | Final) -> gateway_pb2.GenerateEvent:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Receiving:
+    """How long the servicer waits for a request's body."""
+
+    default_deadline_s: float  # applied when the client sends no deadline
+    upload_idle_timeout_s: float  # longest wait for an upload's next message
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(
         self,
         auth: Authenticator,
         pipeline: Pipeline,
         limits_cfg: LimitsConfig,
-        default_deadline_s: float = 120.0,
+        quotas: Quotas,
+        uploads: UploadBytes,
+        receiving: Receiving,
     ) -> None:
         self.auth, self.pipeline, self.limits = auth, pipeline, limits_cfg
-        self.default_deadline_s = default_deadline_s
+        self.quotas, self.uploads, self.receiving = quotas, uploads, receiving
 
     async def Generate(
-        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: gateway_pb2.GenerateRequest | Malformed, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
         started = time.perf_counter()
-        async for event in self._serve(context, started, lambda: _unary(request)):
+        async for event in self._serve(context, started, lambda _deadline: _unary(request)):
             yield event
 
     async def GenerateUpload(
         self,
-        request_iterator: AsyncIterator[gateway_pb2.UploadMessage],
+        request_iterator: AsyncIterator[gateway_pb2.UploadMessage | Malformed],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
         started = time.perf_counter()
-        async for event in self._serve(
-            context, started, lambda: _upload(request_iterator, self.limits)
-        ):
+
+        def receive(deadline: float) -> Awaitable[Ask]:
+            return self._upload(request_iterator, deadline)
+
+        async for event in self._serve(context, started, receive):
             yield event
 
     async def _serve(
-        self, context: grpc.aio.ServicerContext, started: float, receive: object
+        self,
+        context: grpc.aio.ServicerContext,
+        started: float,
+        receive: Callable[[float], Awaitable[Ask]],
     ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
+        """Answers one call and counts its outcome once: "ok" when the final event was handed to
+        gRPC (a client may close right after it), the reason of a refusal, or "cancelled" when
+        the client went away first (DEADLINE_EXCEEDED when its deadline had passed)."""
         request_id = uuid.uuid4().hex
-        outcome = "error"
+        outcome = "cancelled"
         # A client that sends no deadline gets the default one, so nothing waits forever.
         remaining = context.time_remaining()
-        timeout = self.default_deadline_s if remaining is None else remaining
+        timeout = self.receiving.default_deadline_s if remaining is None else remaining
         try:
             async for event in self._answer(context, started, receive, request_id, timeout):
+                if event.HasField("final"):
+                    outcome = "ok"
                 yield event
-            outcome = "ok"
         except VisorError as err:
             outcome = err.reason.value
             log.info("request_refused", request_id=request_id, reason=err.reason.value)
             await context.abort_with_status(to_status(err))
         except Exception as exc:  # never leak a traceback or message to the caller
+            outcome = Reason.INTERNAL.value
             log.error(
                 "request_failed",
                 request_id=request_id,
@@ -119,55 +170,115 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 to_status(VisorError(Reason.INTERNAL, "internal error in the gateway"))
             )
         finally:
+            if outcome == "cancelled" and time.perf_counter() >= started + timeout:
+                outcome = Reason.DEADLINE_EXCEEDED.value
             metrics.REQUESTS.labels(outcome=outcome).inc()
 
     async def _answer(
         self,
         context: grpc.aio.ServicerContext,
         started: float,
-        receive: object,
+        receive: Callable[[float], Awaitable[Ask]],
         request_id: str,
         timeout: float,
     ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
+        # Authenticate and admit before the body: an open upload holds its slots while it waits.
         tenant = self.auth.tenant(context.invocation_metadata() or ())
-        ask = await receive()  # type: ignore[operator]
-        timings = {"receive": (time.perf_counter() - started) * 1000}
-        async for out in self.pipeline.generate(tenant, request_id, ask, started, timings, timeout):
-            if isinstance(out, Final):
-                observe(metrics.STAGES, out.timings_ms)
-                log.info(
-                    "request_done",
-                    request_id=request_id,
-                    tenant=tenant,
-                    num_items=len(out.cache),
-                    timings_ms=out.timings_ms,
-                    output_tokens=out.output_tokens,
-                    core=out.served_by,
+        with self.quotas.admit(tenant):
+            ask = await receive(started + timeout)
+            timings = {"receive": (time.perf_counter() - started) * 1000}
+            events = self.pipeline.generate(tenant, request_id, ask, started, timings, timeout)
+            async for out in events:
+                if isinstance(out, Final):
+                    observe(metrics.STAGES, out.timings_ms)
+                    log.info(
+                        "request_done",
+                        request_id=request_id,
+                        tenant=tenant,
+                        num_items=len(out.cache),
+                        timings_ms=out.timings_ms,
+                        output_tokens=out.output_tokens,
+                        core=out.served_by,
+                    )
+                yield _event(out)
+
+    async def _upload(
+        self,
+        messages: AsyncIterator[gateway_pb2.UploadMessage | Malformed],
+        deadline: float,
+    ) -> Ask:
+        """Assembles an upload, enforcing byte limits as each chunk arrives; the bytes count
+        against the gateway's cap on unfinished uploads until the upload is assembled or dies."""
+        it, lim = aiter(messages), self.limits
+        with self.uploads.hold() as take:
+            first = await self._next(it, deadline)
+            if isinstance(first, Malformed):
+                raise _not_proto()
+            if first is None or first.WhichOneof("kind") != "request":
+                raise VisorError(
+                    Reason.INVALID_REQUEST, "the first upload message must be the request"
                 )
-            yield _event(out)
+            req = first.request
+            blobs = [bytearray(m.data) for t in req.turns for m in t.media]
+            blobs += [bytearray(m.data) for m in req.media]
+            limits.check_count(lim, len(blobs))
+            total = sum(len(b) for b in blobs)
+            take(total)
+            while (msg := await self._next(it, deadline)) is not None:
+                if isinstance(msg, Malformed):
+                    raise _not_proto()
+                chunk = msg.chunk
+                if msg.WhichOneof("kind") != "chunk" or chunk.media_index >= len(blobs):
+                    raise VisorError(Reason.INVALID_REQUEST, "upload chunk names no media item")
+                blob = blobs[chunk.media_index]
+                blob += chunk.data
+                total += len(chunk.data)
+                limits.check_bytes(lim, len(blob), total)
+                take(len(chunk.data))
+        return ask_from_proto(req, [bytes(b) for b in blobs])
+
+    async def _next(
+        self, it: AsyncIterator[gateway_pb2.UploadMessage | Malformed], deadline: float
+    ) -> gateway_pb2.UploadMessage | Malformed | None:
+        """The upload's next message, or None at its end; bounded by the idle timeout and by
+        the request's deadline, whichever comes first."""
+        idle = self.receiving.upload_idle_timeout_s
+        wait = min(idle, deadline - time.perf_counter())
+        try:
+            async with asyncio.timeout(max(0.0, wait)):
+                return await anext(it, None)
+        except TimeoutError:
+            if wait < idle:
+                raise VisorError(
+                    Reason.DEADLINE_EXCEEDED, "the deadline passed while receiving the upload"
+                ) from None
+            raise VisorError(
+                Reason.DEADLINE_EXCEEDED,
+                f"no upload message arrived within upload_idle_timeout_s ({idle:g} s)",
+            ) from None
 
 
-async def _unary(request: gateway_pb2.GenerateRequest) -> Ask:
+def add_to_server(servicer: GatewayServicer, server: grpc.aio.Server) -> None:
+    """Registers the Gateway service like the generated helper does, but with deserializers that
+    hand malformed bytes to the handler as MALFORMED instead of failing the call before it."""
+    serialize = gateway_pb2.GenerateEvent.SerializeToString
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=_lenient(gateway_pb2.GenerateRequest.FromString),
+            response_serializer=serialize,
+        ),
+        "GenerateUpload": grpc.stream_stream_rpc_method_handler(
+            servicer.GenerateUpload,
+            request_deserializer=_lenient(gateway_pb2.UploadMessage.FromString),
+            response_serializer=serialize,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
+
+
+async def _unary(request: gateway_pb2.GenerateRequest | Malformed) -> Ask:
+    if isinstance(request, Malformed):
+        raise _not_proto()
     return ask_from_proto(request)
-
-
-async def _upload(messages: AsyncIterator[gateway_pb2.UploadMessage], lim: LimitsConfig) -> Ask:
-    """Assembles an upload, enforcing byte limits as each chunk arrives."""
-    it = aiter(messages)
-    first = await anext(it, None)
-    if first is None or first.WhichOneof("kind") != "request":
-        raise VisorError(Reason.INVALID_REQUEST, "the first upload message must be the request")
-    req = first.request
-    blobs = [bytearray(m.data) for t in req.turns for m in t.media]
-    blobs += [bytearray(m.data) for m in req.media]
-    limits.check_count(lim, len(blobs))
-    total = sum(len(b) for b in blobs)
-    async for msg in it:
-        chunk = msg.chunk
-        if msg.WhichOneof("kind") != "chunk" or chunk.media_index >= len(blobs):
-            raise VisorError(Reason.INVALID_REQUEST, "upload chunk names no media item")
-        blob = blobs[chunk.media_index]
-        blob += chunk.data
-        total += len(chunk.data)
-        limits.check_bytes(lim, len(blob), total)
-    return ask_from_proto(req, [bytes(b) for b in blobs])

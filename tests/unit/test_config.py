@@ -94,3 +94,28 @@ def test_example_config_holds_every_key_with_its_default() -> None:
     ):
         assert build(cls, name, data, {}) == cls(), name  # type: ignore[call-arg]
         assert set(data[name]) == {f for f in cls.__dataclass_fields__}, name
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "max_requests_in_flight",
+        "upload_idle_timeout_s",
+        "max_upload_bytes_in_flight",
+        "core_attempt_timeout_s",
+    ],
+)
+def test_admission_keys_must_be_positive(key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        build(GatewayConfig, "gateway", {}, {f"VISOR_GATEWAY_{key.upper()}": "0"})
+
+
+def test_upload_bytes_in_flight_must_hold_one_whole_request() -> None:
+    """Checked across sections when the gateway starts, before any worker or socket."""
+    import asyncio
+
+    from gateway import server
+
+    cfg = build(GatewayConfig, "gateway", {}, {"VISOR_GATEWAY_MAX_UPLOAD_BYTES_IN_FLIGHT": "1024"})
+    with pytest.raises(ConfigError, match="max_upload_bytes_in_flight"):
+        asyncio.run(server.run(cfg, LimitsConfig(), ()))
