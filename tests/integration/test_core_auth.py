@@ -16,10 +16,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
+from shared import procs
 from shared.hashing import content_hash
 from shared.proto import core_pb2, core_pb2_grpc
 from shared.wire import chunks
-from tests.conftest import Stack
+from tests.conftest import Stack, free_port
 from tests.helpers import _reason, core_metadata, generate, request
 
 WRONG = (("visor-core-token", "0" * 64),)
@@ -132,3 +133,22 @@ def test_a_local_process_cannot_poison_a_tenants_cache(stack: Stack) -> None:
     out = generate(stack.gateway, request(media=(control,), max_new_tokens=2))
     assert out.code == grpc.StatusCode.OK and out.final is not None
     assert [c.hit for c in out.final.cache] == [True]
+
+
+def test_a_gateway_of_another_deployment_gets_core_unavailable(stack: Stack) -> None:
+    """A gateway whose secret differs is never let in; its clients see CORE_UNAVAILABLE (their
+    own keys are fine), not UNAUTHENTICATED."""
+    env = {
+        **stack.env,
+        "VISOR_GATEWAY_LISTEN": f"127.0.0.1:{free_port()}",
+        "VISOR_GATEWAY_DECODE_WORKERS": "1",
+        "VISOR_DEPLOYMENT_SECRET_FILE": str(stack.logs / "other-deployment.secret"),
+    }
+    config, log = stack.logs / "visor.toml", stack.logs / "gateway-other.log"
+    gw = procs.start("gateway", env, config, log_path=log)
+    try:
+        procs.wait_healthy(env["VISOR_GATEWAY_LISTEN"], gw, timeout_s=60)
+        out = generate(env["VISOR_GATEWAY_LISTEN"], request(max_new_tokens=2))
+        assert (out.code, out.reason) == (grpc.StatusCode.UNAVAILABLE, "CORE_UNAVAILABLE")
+    finally:
+        procs.stop(gw)
