@@ -72,6 +72,39 @@ def tune_malloc() -> None:
     libc.mallopt(-1, 512 * MIB)  # M_TRIM_THRESHOLD
 
 
+class CacheUnavailable(Exception):
+    """The cache cannot be opened or created; `reason` is a short code, safe to log."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason  # truncated | corrupt | unwritable | io_error
+
+
+def _open_env(path: Path, map_size: int) -> lmdb.Environment:
+    """Opens (or creates) the LMDB environment and checks, before anything reads a data page,
+    that the data file holds every page its meta page names: LMDB reads pages through mmap, so
+    a page past the end of a truncated file would kill the process with SIGBUS."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        env = lmdb.open(str(path), map_size=map_size, max_dbs=3, readahead=False, metasync=False)
+    except (PermissionError, NotADirectoryError, FileExistsError, lmdb.ReadonlyError):
+        raise CacheUnavailable("unwritable") from None
+    except (lmdb.InvalidError, lmdb.CorruptedError, lmdb.VersionMismatchError):
+        raise CacheUnavailable("corrupt") from None
+    except (OSError, lmdb.Error):
+        raise CacheUnavailable("io_error") from None
+    # info() and stat() read only the two meta pages, which mdb_env_open found in the file.
+    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    try:
+        size = (path / "data.mdb").stat().st_size
+    except OSError:
+        size = -1
+    if size < needed:
+        env.close()
+        raise CacheUnavailable("truncated")
+    return env
+
+
 def tenant_prefix(tenant: str) -> bytes:
     return hashlib.sha256(b"visor-tenant\0" + tenant.encode()).digest()[:16]
 
@@ -87,19 +120,20 @@ class FeatureCache:
         master_key: bytes | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        path.mkdir(parents=True, exist_ok=True)
         self.max_bytes, self.ttl_s = max_bytes, ttl_s
         self.tenant_max_bytes = tenant_max_bytes or max_bytes
         self.no_cache = frozenset(no_cache_tenants)
         self._master, self._clock = master_key, clock
         # Sparse file: the map costs disk only as it fills; the headroom absorbs LMDB's page
         # overhead so eviction, not MapFullError, is what bounds the cache.
-        self.env = lmdb.open(
-            str(path), map_size=2 * max_bytes + 64 * MIB, max_dbs=3, readahead=False, metasync=False
-        )
-        self._entries = self.env.open_db(b"entries")
-        self._meta = self.env.open_db(b"meta")
-        self._tenants = self.env.open_db(b"tenants")
+        self.env = _open_env(path, 2 * max_bytes + 64 * MIB)
+        try:
+            self._entries = self.env.open_db(b"entries")
+            self._meta = self.env.open_db(b"meta")
+            self._tenants = self.env.open_db(b"tenants")
+        except lmdb.Error:
+            self.env.close()
+            raise CacheUnavailable("corrupt") from None
         self._touched: dict[bytes, float] = {}
         self._hits = self._misses = self._evictions = self._rejected = 0
 

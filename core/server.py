@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core.cache import FeatureCache, tune_malloc
+from core.auth import CoreTokenInterceptor
+from core.cache import CacheUnavailable, FeatureCache, tune_malloc
 from core.config import CacheConfig, CoreConfig, SchedulerConfig
 from core.engine import Engine
 from core.features import FeatureService
@@ -16,7 +17,17 @@ from shared.proto import core_pb2, core_pb2_grpc
 SERVICE = core_pb2.DESCRIPTOR.services_by_name["Core"].full_name
 
 
-async def run(cfg: CoreConfig, cache: CacheConfig, sched: SchedulerConfig) -> None:
+def open_cache(cfg: CacheConfig) -> FeatureCache | None:
+    """The feature cache, or None when it cannot be opened or created (a truncated or corrupt
+    file, an unwritable directory): the core then serves without it, after one log line."""
+    try:
+        return FeatureCache.from_config(cfg)
+    except CacheUnavailable as exc:
+        logs.get("core").error("feature_cache_disabled", reason=exc.reason)
+        return None
+
+
+async def run(cfg: CoreConfig, cache: CacheConfig, sched: SchedulerConfig, core_token: str) -> None:
     log = logs.get("core")
     tune_malloc()
     artifacts = Path(cfg.artifacts_dir).expanduser()
@@ -26,11 +37,9 @@ async def run(cfg: CoreConfig, cache: CacheConfig, sched: SchedulerConfig) -> No
     queue = VisionQueue(
         engine.encoder.encode, engine.run, cfg.encode_batch_tiles, cfg.encode_max_wait_ms / 1000
     )
-    store = None
-    if cache.enabled:
-        store = FeatureCache.from_config(cache)
+    store = open_cache(cache) if cache.enabled else None
     features = FeatureService(engine.info, queue, store)
-    server = serving.new_server()
+    server = serving.new_server([CoreTokenInterceptor(core_token, SERVICE)])
     core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine, features), server)  # type: ignore[no-untyped-call]
     health = serving.add_health_and_reflection(server, [SERVICE])
     creds = tls.server_credentials(cfg.tls()) if cfg.tls().enabled else None

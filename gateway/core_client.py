@@ -9,6 +9,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -17,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.types import Delta, Params, Turn
 from shared.errors import Reason, VisorError
 from shared.proto import core_pb2, core_pb2_grpc
+from shared.secret import CORE_TOKEN_METADATA
 from shared.status import from_rpc_error
 from shared.wire import chunks
 
@@ -124,6 +126,10 @@ class CoreUnreachable(VisorError):
 
 
 def _rpc_error(exc: grpc.RpcError) -> VisorError:
+    if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+        # The core refused this gateway's token (another deployment's secret): the client's own
+        # key is fine, and another core may accept us.
+        return CoreUnreachable("the core refused this gateway's token")
     err = from_rpc_error(exc)
     if err.reason == Reason.OVERLOADED:
         return err  # the core answered: its scheduler queue is full (not unreachable)
@@ -137,23 +143,56 @@ def _rpc_error(exc: grpc.RpcError) -> VisorError:
     return from_rpc_error(exc)
 
 
+def _with_token(details: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.ClientCallDetails:
+    metadata = grpc.aio.Metadata(*(details.metadata or ()), (CORE_TOKEN_METADATA, token))
+    return grpc.aio.ClientCallDetails(
+        details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+    )
+
+
+# The core refuses Core RPCs without the deployment's token, so every call on a core channel
+# carries it. grpc.aio files each interceptor under the first call kind it implements, hence one
+# class per kind: unary-unary (Describe, health checks) and stream-stream (Infer).
+class _UnaryToken(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(_with_token(details, self._token), request)
+
+
+class _StreamToken(grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(_with_token(details, self._token), requests)
+
+
 class CoreClient:
     def __init__(
         self,
         address: str,
         credentials: grpc.ChannelCredentials | None = None,
         server_name: str = "",
+        core_token: str = "",
     ) -> None:
         """`server_name` replaces the dialled host when checking the core's certificate (set
-        when `address` is an IP resolved from a DNS name the certificate carries)."""
+        when `address` is an IP resolved from a DNS name the certificate carries); `core_token`
+        (from the deployment secret) authenticates this gateway to the core."""
         self.address = address
+        interceptors = [_UnaryToken(core_token), _StreamToken(core_token)]
         if credentials is None:
-            self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(
+                address, options=CHANNEL_OPTIONS, interceptors=interceptors
+            )
         else:
             options: list[tuple[str, int | str]] = list(CHANNEL_OPTIONS)
             if server_name:
                 options.append(("grpc.ssl_target_name_override", server_name))
-            self._channel = grpc.aio.secure_channel(address, credentials, options=options)
+            self._channel = grpc.aio.secure_channel(
+                address, credentials, options=options, interceptors=interceptors
+            )
         self._stub = core_pb2_grpc.CoreStub(self._channel)  # type: ignore[no-untyped-call]
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._geometry: Geometry | None = None

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import sys
+from functools import partial
 from importlib import metadata
 
 import grpc
@@ -14,6 +15,7 @@ from grpc_health.v1 import health_pb2
 
 from gateway.auth import Authenticator
 from gateway.config import MIB, GatewayConfig, LimitsConfig, Tenant
+from gateway.core_client import CoreClient
 from gateway.pipeline import Pipeline
 from gateway.pool import DecodePool, PoolSettings
 from gateway.quota import Quotas, UploadBytes
@@ -129,7 +131,9 @@ def _start_pool(cfg: GatewayConfig, lim: LimitsConfig, log: object) -> DecodePoo
     return pool
 
 
-async def run(cfg: GatewayConfig, lim: LimitsConfig, tenants: tuple[Tenant, ...]) -> None:
+async def run(
+    cfg: GatewayConfig, lim: LimitsConfig, tenants: tuple[Tenant, ...], core_token: str
+) -> None:
     log = logs.get("gateway")
     try:
         auth = Authenticator.for_listen(tenants, is_loopback(cfg.listen))
@@ -142,7 +146,7 @@ async def run(cfg: GatewayConfig, lim: LimitsConfig, tenants: tuple[Tenant, ...]
         )
     log.info("pillow", **pillow_build())
     pool = _start_pool(cfg, lim, log)
-    router = Router(RouterSettings.from_config(cfg))
+    router = Router(RouterSettings.from_config(cfg), partial(CoreClient, core_token=core_token))
     await router.start()
     quotas = Quotas(
         cfg.max_concurrent_per_tenant,

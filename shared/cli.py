@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shared import logs
+from shared import logs, secret
 from shared.config import ConfigError, LogConfig, build, environ, read_file
 
 
@@ -24,10 +24,11 @@ def _core(args: argparse.Namespace) -> int:
     cfg = build(CoreConfig, "core", data, env)
     cache = build(CacheConfig, "cache", data, env)
     sched = build(SchedulerConfig, "scheduler", data, env)
-    logs.configure("core", _log_level(data, env))
+    keys = _deployment_keys(data, env)
+    logs.configure("core", _log_level(data, env), keys.log_key)
     from core import server
 
-    asyncio.run(server.run(cfg, cache, sched))
+    asyncio.run(server.run(cfg, cache, sched, keys.core_token))
     return 0
 
 
@@ -38,18 +39,25 @@ def _gateway(args: argparse.Namespace) -> int:
     cfg = build(GatewayConfig, "gateway", data, env)
     lim = build(LimitsConfig, "limits", data, env)
     tenants = tenants_from(data)
-    logs.configure("gateway", _log_level(data, env))
+    if getattr(args, "check_sandbox", False):
+        logs.configure("gateway", _log_level(data, env))
+        from gateway import server
+
+        return server.check_sandbox(cfg, lim)
+    keys = _deployment_keys(data, env)
+    logs.configure("gateway", _log_level(data, env), keys.log_key)
     from gateway import server
 
-    if getattr(args, "check_sandbox", False):
-        return server.check_sandbox(cfg, lim)
-
-    asyncio.run(server.run(cfg, lim, tenants))
+    asyncio.run(server.run(cfg, lim, tenants, keys.core_token))
     return 0
 
 
 def _log_level(data: dict[str, Any], env: Mapping[str, str]) -> str:
     return build(LogConfig, "log", data, env).level
+
+
+def _deployment_keys(data: dict[str, Any], env: Mapping[str, str]) -> secret.DeploymentKeys:
+    return secret.load(build(secret.DeploymentConfig, "deployment", data, env))
 
 
 def _ask(args: argparse.Namespace) -> int:
@@ -119,11 +127,15 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _cache(args: argparse.Namespace) -> int:
-    from core.cache import FeatureCache
+    from core.cache import CacheUnavailable, FeatureCache
     from core.config import CacheConfig
 
     cfg = build(CacheConfig, "cache", read_file(args.config), environ())
-    cache = FeatureCache.from_config(cfg)
+    try:
+        cache = FeatureCache.from_config(cfg)
+    except CacheUnavailable as exc:
+        print(f"visor: the feature cache cannot be opened: {exc.reason}", file=sys.stderr)
+        return 2
     try:
         if args.cache_cmd == "purge":
             print(json.dumps({"tenant_purged": True, "entries_removed": cache.purge(args.tenant)}))

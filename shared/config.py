@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 # Every section any visor service reads; a section outside this list is a typo.
-KNOWN_SECTIONS = frozenset({"gateway", "limits", "core", "cache", "scheduler", "log", "tenants"})
+KNOWN_SECTIONS = frozenset(
+    {"gateway", "limits", "core", "cache", "scheduler", "log", "tenants", "deployment"}
+)
 ENV_PREFIX = "VISOR_"
 
 

@@ -1,14 +1,18 @@
 """structlog JSON logging with one allow-list redaction processor.
 
 Only allow-listed keys pass; text fields (prompt, output) become a length and a hash; tenant ids
-are hashed; anything else is dropped and its key listed under `redacted`. Media bytes, base64,
-credentials and EXIF therefore never reach a log line, whatever a caller passes.
+become an HMAC-SHA256 under the deployment's log key (`shared.secret`), so gateway and core lines
+of one tenant correlate while a guessed name cannot be tested without the secret; anything else
+is dropped and its key listed under `redacted`. Media bytes, base64, credentials and EXIF
+therefore never reach a log line, whatever a caller passes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
+import secrets
 import sys
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -75,8 +79,18 @@ HASHED_KEYS = frozenset({"tenant"})
 _MAX_STR = 200
 
 
+# Random per process until configure() is given the deployment's key: hashes then correlate
+# within one process only, and are never an unsalted (guessable) digest.
+_tenant_key = secrets.token_bytes(32)
+
+
 def short_hash(value: str) -> str:
     return hashlib.sha256(value.encode("utf-8", "replace")).hexdigest()[:16]
+
+
+def tenant_hash(tenant: str) -> str:
+    """The keyed hash a tenant id is logged as."""
+    return hmac.new(_tenant_key, tenant.encode("utf-8", "replace"), hashlib.sha256).hexdigest()[:16]
 
 
 def redact(_: Any, __: str, event: MutableMapping[str, Any]) -> Mapping[str, Any]:
@@ -89,7 +103,7 @@ def redact(_: Any, __: str, event: MutableMapping[str, Any]) -> Mapping[str, Any
             out[f"{key}_len"] = len(text)
             out[f"{key}_sha256"] = short_hash(text)
         elif key in HASHED_KEYS:
-            out[f"{key}_hash"] = short_hash(str(value))
+            out[f"{key}_hash"] = tenant_hash(str(value))
         elif key in ALLOWED_KEYS:
             out[key] = _safe(value)
         else:
@@ -125,8 +139,12 @@ def error_site(exc: BaseException) -> str:
     return f"{tb.tb_frame.f_code.co_filename.rsplit('/', 1)[-1]}:{tb.tb_lineno}"
 
 
-def configure(service: str, level: str = "info") -> None:
-    """JSON lines on stderr, redacted, for the named service."""
+def configure(service: str, level: str = "info", log_key: bytes | None = None) -> None:
+    """JSON lines on stderr, redacted, for the named service; `log_key` (from the deployment
+    secret) keys the tenant hashes."""
+    global _tenant_key
+    if log_key is not None:
+        _tenant_key = log_key
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -17,13 +17,14 @@ from shared.config import ConfigError
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
-def new_server() -> grpc.aio.Server:
+def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
     return grpc.aio.server(
+        interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
 
 

@@ -90,6 +90,7 @@ def start_stack(model: Path, logs: Path, **gateway_env: str) -> Stack:
         "VISOR_CORE_MODEL": str(model),
         "VISOR_CORE_METRICS_LISTEN": metrics,
         "VISOR_CACHE_PATH": str(logs / "cache"),
+        "VISOR_DEPLOYMENT_SECRET_FILE": str(logs / "deployment.secret"),
         "VISOR_GATEWAY_LISTEN": gw,
         "VISOR_GATEWAY_CORES": core,
         "VISOR_GATEWAY_METRICS_LISTEN": "",

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from shared import secret
 from shared.proto import gateway_pb2, gateway_pb2_grpc
 
 DEV_KEY = "visor-dev-key"
@@ -65,6 +67,13 @@ def request(
         media=[gateway_pb2.Media(data=m) for m in media],
         params=gateway_pb2.GenerationParams(max_new_tokens=max_new_tokens, **params),  # type: ignore[arg-type]
     )
+
+
+def core_metadata(env: Mapping[str, str]) -> tuple[tuple[str, str]]:
+    """The metadata a gateway of the deployment whose services ran with `env` sends a core (the
+    core token from its deployment secret)."""
+    path = env["VISOR_DEPLOYMENT_SECRET_FILE"]
+    return secret.load(secret.DeploymentConfig(path)).core_metadata()
 
 
 def metric(address: str, name: str) -> float:

@@ -32,8 +32,10 @@ ENV PATH=/opt/visor/bin:$PATH \
     VISOR_CACHE_PATH=/var/lib/visor/cache \
     VISOR_CORE_TLS_CERT=/etc/visor/tls/tls.crt \
     VISOR_CORE_TLS_KEY=/etc/visor/tls/tls.key \
-    VISOR_CORE_TLS_CLIENT_CA=/etc/visor/tls/ca.crt
-# Mount points only: the model, the certificates and the state come from outside.
+    VISOR_CORE_TLS_CLIENT_CA=/etc/visor/tls/ca.crt \
+    VISOR_DEPLOYMENT_SECRET_FILE=/etc/visor/deployment/deployment.secret
+# Mount points only: the model, the certificates, the deployment secret (the same file the
+# gateways mount) and the state come from outside.
 VOLUME ["/models", "/var/lib/visor"]
 USER 10001:10001
 EXPOSE 50052 9102

@@ -32,7 +32,9 @@ ENV PATH=/opt/visor/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp \
     VISOR_GATEWAY_LISTEN=0.0.0.0:50051 \
-    VISOR_GATEWAY_METRICS_LISTEN=0.0.0.0:9101
+    VISOR_GATEWAY_METRICS_LISTEN=0.0.0.0:9101 \
+    VISOR_DEPLOYMENT_SECRET_FILE=/etc/visor/deployment/deployment.secret
+# The deployment secret is mounted from outside: the same file the cores mount.
 USER 10001:10001
 EXPOSE 50051 9101
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \

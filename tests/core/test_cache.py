@@ -204,3 +204,47 @@ def test_large_fp16_entry_round_trips(tmp_path: Path) -> None:
     )
     assert cache.put(KEY, big)
     assert same(cache.get(KEY), big)
+
+
+def truncated_cache(path: Path) -> None:
+    """A cache of a few MiB whose data file then loses most of its pages, as a full disk or a
+    crashed copy leaves it: LMDB's meta pages still name pages past the end of the file."""
+    cache = FeatureCache(path, 64 << 20, ttl_s=60)
+    for i in range(24):
+        assert cache.put(dataclasses.replace(KEY, frame=i), entry(i))
+    cache.close()
+    data = path / "data.mdb"
+    with data.open("r+b") as f:
+        f.truncate(data.stat().st_size // 3)
+
+
+def _open_in_child(path: Path) -> subprocess.CompletedProcess[str]:
+    """Opens the cache in a child process: a SIGBUS there fails this test, not the test run."""
+    code = (
+        "import sys; from pathlib import Path; from core.cache import CacheUnavailable, "
+        "FeatureCache\ntry:\n    FeatureCache(Path(sys.argv[1]), 64 << 20, 60).close()\n"
+        "    print('opened')\nexcept CacheUnavailable as exc:\n    print(exc.reason)"
+    )
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run(
+        [sys.executable, "-c", code, str(path)], cwd=root, capture_output=True, text=True
+    )
+
+
+def test_a_truncated_file_is_refused_before_any_page_is_read(tmp_path: Path) -> None:
+    truncated_cache(tmp_path / "cache")
+    out = _open_in_child(tmp_path / "cache")
+    assert (out.returncode, out.stdout.strip()) == (0, "truncated"), out.stderr[-2000:]
+
+
+def test_a_corrupt_file_and_an_unwritable_directory_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "data.mdb").write_bytes(os.urandom(64 << 10))
+    out = _open_in_child(tmp_path / "corrupt")
+    assert (out.returncode, out.stdout.strip()) == (0, "corrupt"), out.stderr[-2000:]
+    (tmp_path / "file").write_bytes(b"not a directory")
+    out = _open_in_child(tmp_path / "file" / "cache")
+    assert (out.returncode, out.stdout.strip()) == (0, "unwritable"), out.stderr[-2000:]
+    healthy = tmp_path / "healthy"
+    FeatureCache(healthy, 64 << 20, ttl_s=60).close()
+    assert _open_in_child(healthy).stdout.strip() == "opened"

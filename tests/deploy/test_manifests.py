@@ -4,6 +4,7 @@ the policies of issue 6 hold on what would actually be applied."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,8 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[st
     tree = tmp_path_factory.mktemp("k8s") / "k8s"
     shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("certs"))
     write_dev_certs(tree / "overlays" / "dev" / "certs", ["visor-core.visor.svc.cluster.local"])
+    (tree / "overlays" / "dev" / "secret").mkdir()
+    (tree / "overlays" / "dev" / "secret" / "deployment.secret").write_bytes(os.urandom(32))
     out = {}
     for overlay in OVERLAYS:
         cmd = [_kubectl(), "kustomize", str(tree / "overlays" / overlay)]
@@ -198,3 +201,51 @@ def test_cluster_config_files_are_valid_visor_config(
             else:
                 assert build(CoreConfig, "core", data, {}).tls().enabled, overlay
                 build(CacheConfig, "cache", data, {})
+
+
+def _secret_file(docs: list[dict[str, Any]], config_map: str) -> str:
+    import tomllib
+
+    from shared.config import build
+    from shared.secret import DeploymentConfig
+
+    (cm,) = [d for d in _of(docs, "ConfigMap") if d["metadata"]["name"].startswith(config_map)]
+    data = tomllib.loads(cm["data"]["visor.toml"])
+    return build(DeploymentConfig, "deployment", data, {}).secret_file
+
+
+def test_gateways_and_cores_mount_one_deployment_secret(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    """The core serves only callers holding the token derived from the deployment secret, so
+    every gateway and every core mount the same Secret, read-only, where their config reads it,
+    with no world bits (the kubelet makes it root:fsGroup 0440, which visor accepts)."""
+    for overlay, docs in rendered.items():
+        names = set()
+        for kind, name, config_map in (
+            ("Deployment", "visor-gateway", "visor-gateway-config"),
+            ("StatefulSet", "visor-core", "visor-core-config"),
+        ):
+            pod = _of(docs, kind, name)[0]["spec"]["template"]["spec"]
+            assert pod["securityContext"]["fsGroup"] > 0, (overlay, name)
+            (volume,) = [v for v in pod["volumes"] if v["name"] == "deployment-secret"]
+            assert volume["secret"]["defaultMode"] & 0o007 == 0, (overlay, name)
+            names.add(volume["secret"]["secretName"])
+            (mount,) = [
+                m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "deployment-secret"
+            ]
+            assert mount["readOnly"] is True, (overlay, name)
+            path = _secret_file(docs, config_map)
+            assert path == mount["mountPath"] + "/deployment.secret", (overlay, name, path)
+        assert len(names) == 1 and names.pop().startswith("visor-deployment"), (overlay, names)
+
+    def deployment_secrets(docs: list[dict[str, Any]]) -> list[str]:
+        return [
+            s["metadata"]["name"]
+            for s in _of(docs, "Secret")
+            if s["metadata"]["name"].startswith("visor-deployment")
+        ]
+
+    (generated,) = deployment_secrets(rendered["dev"])  # from the overlay's secretGenerator
+    assert "deployment.secret" in _of(rendered["dev"], "Secret", generated)[0]["data"]
+    assert deployment_secrets(rendered["prod"]) == []  # prod: the operator provides it

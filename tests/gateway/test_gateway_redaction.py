@@ -9,6 +9,8 @@ The same stack runs with `worker_max_jobs = 2`, so the requests also exercise re
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import io
 import json
 import struct
@@ -23,7 +25,7 @@ import grpc
 import pytest
 from PIL import Image
 
-from shared import procs
+from shared import procs, secret
 from shared.hashing import key_sha256
 from tests.conftest import ROOT, Stack, free_port
 from tests.gateway import videos
@@ -87,6 +89,7 @@ def debug_stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         "VISOR_CORE_MODEL": str(model_dir),
         "VISOR_CORE_METRICS_LISTEN": "",
         "VISOR_CACHE_PATH": str(logs / "cache"),
+        "VISOR_DEPLOYMENT_SECRET_FILE": str(logs / "deployment.secret"),
         "VISOR_GATEWAY_LISTEN": gw,
         "VISOR_GATEWAY_CORES": core,
         "VISOR_GATEWAY_METRICS_LISTEN": "",
@@ -135,8 +138,26 @@ def test_no_canary_reaches_any_log_line(debug_stack: Stack, tmp_path: Path) -> N
         text = (debug_stack.logs / name).read_text(errors="replace")
         assert text.strip(), f"{name} is empty"
         assert ("request_done" if name == "gateway.log" else "infer") in text  # lines were captured
-        for secret in secrets:
-            assert secret not in text, (name, secret)
+        for canary in secrets:
+            assert canary not in text, (name, canary)
+    _assert_tenant_hashes_are_keyed(debug_stack)
+
+
+def _assert_tenant_hashes_are_keyed(stack: Stack) -> None:
+    """Both services hash the tenant with HMAC under the deployment's log key: their lines agree,
+    and the unsalted SHA-256 of the name (what a guesser would compute) appears nowhere."""
+    log_key = secret.load(
+        secret.DeploymentConfig(stack.env["VISOR_DEPLOYMENT_SECRET_FILE"])
+    ).log_key
+    tenant = f"tenant-{TAG}".encode()
+    keyed = hmac.new(log_key, tenant, hashlib.sha256).hexdigest()[:16]
+    unsalted = hashlib.sha256(tenant).hexdigest()[:16]
+    for name, event in (("gateway.log", "request_done"), ("core.log", "infer_done")):
+        text = (stack.logs / name).read_text(errors="replace")
+        records = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        hashes = {r["tenant_hash"] for r in records if r.get("event") == event}
+        assert hashes == {keyed}, (name, hashes)
+        assert unsalted not in text, name
 
 
 def test_a_prompt_cannot_forge_a_log_line(debug_stack: Stack) -> None:

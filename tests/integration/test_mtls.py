@@ -19,7 +19,7 @@ from shared.certs import DevCerts, write_dev_certs
 from shared.proto import core_pb2, core_pb2_grpc
 from shared.tls import TlsFiles, channel_credentials
 from tests.conftest import ROOT, SAMPLES, TENANTS_TOML, free_port
-from tests.helpers import generate, request
+from tests.helpers import core_metadata, generate, request
 
 
 @dataclass
@@ -42,6 +42,7 @@ def tls_core(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "VISOR_CORE_METRICS_LISTEN": "",
         "VISOR_CORE_ENCODER": "torch",
         "VISOR_CACHE_PATH": str(d / "cache"),
+        "VISOR_DEPLOYMENT_SECRET_FILE": str(d / "deployment.secret"),
         "VISOR_CORE_TLS_CERT": str(pki.core_cert),
         "VISOR_CORE_TLS_KEY": str(pki.core_key),
         "VISOR_CORE_TLS_CLIENT_CA": str(pki.ca_cert),
@@ -61,14 +62,18 @@ def _creds(ca: Path, cert: Path | None, key: Path | None) -> grpc.ChannelCredent
     return channel_credentials(TlsFiles(str(ca), str(cert), str(key)))
 
 
-def _describe(address: str, creds: grpc.ChannelCredentials | None) -> grpc.StatusCode:
+def _describe(
+    tls_core: TlsCore, creds: grpc.ChannelCredentials | None, token: bool = True
+) -> grpc.StatusCode:
+    address = tls_core.address
     channel = (
         grpc.insecure_channel(address) if creds is None else grpc.secure_channel(address, creds)
     )
+    metadata = core_metadata(tls_core.env) if token else ()
     with channel:
         stub = core_pb2_grpc.CoreStub(channel)  # type: ignore[no-untyped-call]
         try:
-            info = stub.Describe(core_pb2.DescribeRequest(), timeout=5)
+            info = stub.Describe(core_pb2.DescribeRequest(), metadata=metadata, timeout=5)
         except grpc.RpcError as exc:
             return exc.code()  # type: ignore[no-any-return]
     assert info.image_size > 0
@@ -77,28 +82,35 @@ def _describe(address: str, creds: grpc.ChannelCredentials | None) -> grpc.Statu
 
 def test_gateway_certificate_is_accepted(tls_core: TlsCore) -> None:
     p = tls_core.pki
-    assert _describe(tls_core.address, _creds(p.ca_cert, p.gateway_cert, p.gateway_key)) == (
+    assert _describe(tls_core, _creds(p.ca_cert, p.gateway_cert, p.gateway_key)) == (
         grpc.StatusCode.OK
+    )
+
+
+def test_a_valid_certificate_without_the_core_token_is_refused(tls_core: TlsCore) -> None:
+    """Defence in depth: mTLS proves the caller holds a certificate of the CA, the token that it
+    belongs to this deployment; the core wants both."""
+    p = tls_core.pki
+    assert _describe(tls_core, _creds(p.ca_cert, p.gateway_cert, p.gateway_key), False) == (
+        grpc.StatusCode.UNAUTHENTICATED
     )
 
 
 def test_client_without_certificate_is_refused(tls_core: TlsCore) -> None:
     p = tls_core.pki
-    assert _describe(tls_core.address, _creds(p.ca_cert, None, None)) == (
-        grpc.StatusCode.UNAVAILABLE
-    )
+    assert _describe(tls_core, _creds(p.ca_cert, None, None)) == (grpc.StatusCode.UNAVAILABLE)
 
 
 def test_certificate_from_another_ca_is_refused(tls_core: TlsCore) -> None:
     p, o = tls_core.pki, tls_core.other
     # Trusts the real server, but presents a client certificate the core's CA never signed.
-    assert _describe(tls_core.address, _creds(p.ca_cert, o.gateway_cert, o.gateway_key)) == (
+    assert _describe(tls_core, _creds(p.ca_cert, o.gateway_cert, o.gateway_key)) == (
         grpc.StatusCode.UNAVAILABLE
     )
 
 
 def test_plaintext_client_is_refused(tls_core: TlsCore) -> None:
-    assert _describe(tls_core.address, None) == grpc.StatusCode.UNAVAILABLE
+    assert _describe(tls_core, None) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_health_command_over_mtls(tls_core: TlsCore) -> None:
@@ -152,6 +164,7 @@ def _gateway_env(tls_core: TlsCore, ca: Path) -> dict[str, str]:
         "VISOR_GATEWAY_CORE_TLS_CA": str(ca),
         "VISOR_GATEWAY_CORE_TLS_CERT": str(p.gateway_cert),
         "VISOR_GATEWAY_CORE_TLS_KEY": str(p.gateway_key),
+        "VISOR_DEPLOYMENT_SECRET_FILE": tls_core.env["VISOR_DEPLOYMENT_SECRET_FILE"],
     }
 
 

@@ -81,6 +81,7 @@ def test_core_listens_publicly_only_with_mtls() -> None:
 def test_example_config_holds_every_key_with_its_default() -> None:
     from core.config import CacheConfig, SchedulerConfig
     from shared.config import LogConfig
+    from shared.secret import DeploymentConfig
 
     path = Path(__file__).resolve().parents[2] / "deploy" / "visor.example.toml"
     data = read_file(path)
@@ -91,6 +92,7 @@ def test_example_config_holds_every_key_with_its_default() -> None:
         (CacheConfig, "cache"),
         (SchedulerConfig, "scheduler"),
         (LogConfig, "log"),
+        (DeploymentConfig, "deployment"),
     ):
         assert build(cls, name, data, {}) == cls(), name  # type: ignore[call-arg]
         assert set(data[name]) == {f for f in cls.__dataclass_fields__}, name

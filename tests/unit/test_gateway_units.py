@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import io
 import json
 
@@ -14,7 +16,7 @@ from gateway.config import LimitsConfig, Tenant
 from gateway.limits import check_request
 from gateway.sniff import sniff
 from gateway.types import Ask, Params, Turn
-from shared import logs
+from shared import logs, secret
 from shared.errors import Reason, VisorError
 from shared.hashing import key_sha256
 
@@ -121,8 +123,27 @@ def test_redaction_is_an_allow_list(capsys: pytest.CaptureFixture[str]) -> None:
         "secret" not in line and "acme" not in line and "GPS" not in line and "Bearer" not in line
     )
     assert record["prompt_len"] == len("the secret question")
-    assert record["tenant_hash"] == logs.short_hash("acme")
+    assert record["tenant_hash"] == logs.tenant_hash("acme") != logs.short_hash("acme")
     assert record["timings_ms"] == {"encode": 1.5}
     assert record["reason"] == "a\\nb"
     assert record["redacted"] == ["authorization", "data", "exif"]
+    structlog.reset_defaults()
+
+
+def test_tenant_hashes_are_keyed_by_the_deployment_secret(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before configure() gets the log key, a random per-process key (never a bare SHA-256, which
+    anyone could recompute from a guessed name); after, HMAC-SHA256 under the deployment's key,
+    the same in every service that loaded that secret."""
+    structlog.reset_defaults()
+    unsalted = hashlib.sha256(b"acme").hexdigest()[:16]
+    assert logs.tenant_hash("acme") != unsalted
+    keys = secret.derive(b"k" * 32)
+    logs.configure("test", log_key=keys.log_key)
+    logs.get("t").info("request_done", tenant="acme")
+    record = json.loads(capsys.readouterr().err.strip())
+    expected = hmac.new(keys.log_key, b"acme", hashlib.sha256).hexdigest()[:16]
+    assert record["tenant_hash"] == expected != unsalted
+    assert secret.derive(b"j" * 32).log_key != keys.log_key
     structlog.reset_defaults()
