@@ -120,4 +120,4 @@ def test_upload_bytes_in_flight_must_hold_one_whole_request() -> None:
 
     cfg = build(GatewayConfig, "gateway", {}, {"VISOR_GATEWAY_MAX_UPLOAD_BYTES_IN_FLIGHT": "1024"})
     with pytest.raises(ConfigError, match="max_upload_bytes_in_flight"):
-        asyncio.run(server.run(cfg, LimitsConfig(), ()))
+        asyncio.run(server.run(cfg, LimitsConfig(), (), core_token="unused"))
