@@ -362,6 +362,7 @@ def start(settings: SoakSettings, logs: Path) -> Soak:
         "VISOR_GATEWAY_CORES": ",".join(cores),
         "VISOR_GATEWAY_METRICS_LISTEN": "",
         "VISOR_GATEWAY_DEFAULT_DEADLINE_S": str(settings.deadline_s),
+        "VISOR_DEPLOYMENT_SECRET_FILE": str(logs / "deployment.secret"),
     }
     started = {address: _start_core(env, config, logs, address) for address in cores}
     for address, proc in started.items():
