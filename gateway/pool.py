@@ -2,8 +2,8 @@
 job at a time each, jobs over a pipe, pixels back through shared memory.
 
 Workers are shared fairly between tenants: a free worker goes to the waiting tenant that holds the
-fewest workers (the longest-waiting job first among equals), so one tenant's backlog never stands
-between another tenant's job and the next free worker. A request's jobs share one `Budget`:
+fewest workers, taking turns among equals, so one tenant's backlog never stands between another
+tenant's job and the next free worker. A request's jobs share one `Budget`:
 `timeout_s` bounds their decode time together (counted once while several run), and no job runs
 past the request's deadline.
 
@@ -152,7 +152,8 @@ class DecodePool:
         self._waiting: dict[str, collections.deque[_Entry]] = {}  # by tenant, oldest first
         self._num_waiting = 0
         self._held: collections.Counter[str] = collections.Counter()  # workers busy per tenant
-        self._arrivals = itertools.count()
+        self._turns: dict[str, int] = {}  # when each waiting tenant was last handed a worker
+        self._arrivals = itertools.count()  # orders waiting jobs and hand-outs alike
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self.report: dict[str, str] = {}
@@ -216,26 +217,35 @@ class DecodePool:
             queue.remove(entry)
             self._num_waiting -= 1
             if not queue:
-                del self._waiting[tenant]
+                self._forget(tenant)
         elif entry[1].done() and not entry[1].cancelled():
             self._unhold(tenant)
             self._idle.append(entry[1].result())
             self._dispatch()
 
     def _dispatch(self) -> None:
-        """Hands free workers to waiting jobs: first to the tenant that holds the fewest workers,
-        among equals to the job that has waited longest."""
+        """Hands free workers to waiting jobs: first to the tenant that holds the fewest workers;
+        among equals, to the one served least recently (turns), then the longest waiting."""
         while self._idle and self._waiting:
-            tenant = min(self._waiting, key=lambda t: (self._held[t], self._waiting[t][0][0]))
+            tenant = min(self._waiting, key=self._priority)
             queue = self._waiting[tenant]
             _, fut = queue.popleft()
             self._num_waiting -= 1
+            self._turns[tenant] = next(self._arrivals)
             if not queue:
-                del self._waiting[tenant]
+                self._forget(tenant)
             if fut.done():  # its caller is gone
                 continue
             self._held[tenant] += 1
             fut.set_result(self._idle.pop())
+
+    def _priority(self, tenant: str) -> tuple[int, int, int]:
+        return self._held[tenant], self._turns.get(tenant, -1), self._waiting[tenant][0][0]
+
+    def _forget(self, tenant: str) -> None:
+        """A tenant with nothing waiting keeps no turn: its next job queues as a newcomer's."""
+        del self._waiting[tenant]
+        self._turns.pop(tenant, None)
 
     def _unhold(self, tenant: str) -> None:
         self._held[tenant] -= 1
