@@ -31,7 +31,7 @@ class GatewayConfig:
     core_tls_server_name: str = ""  # name checked in the core's certificate; "" = host dialled
     metrics_listen: str = "127.0.0.1:9101"  # Prometheus endpoint; empty disables it
     decode_workers: int = 2  # sandboxed decode processes
-    decode_timeout_s: float = 10.0  # wall clock per decode job before its worker is killed
+    decode_timeout_s: float = 10.0  # decode time per request, all jobs; then the worker is killed
     worker_max_jobs: int = 200  # a worker is replaced after this many jobs
     grace_s: float = 5.0  # how long shutdown waits for requests in flight
     default_profile: str = "none"  # compression profile when a request names none

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps, features
 
+from gateway import headers
 from shared.errors import Reason, VisorError
 
 # Alpha is flattened on white: documents and UI screenshots with transparency read as intended.
@@ -93,6 +94,9 @@ class Decoded:
 def init_worker(max_pixels: int) -> None:
     """Per-process Pillow policy, applied once before the first job."""
     Image.MAX_IMAGE_PIXELS = max_pixels
+    # Pillow's other warnings (an invalid APNG control chunk, ...) would be text on the gateway's
+    # stderr, whose log is JSON lines only; the bomb warning is a refusal.
+    warnings.simplefilter("ignore")
     warnings.simplefilter("error", Image.DecompressionBombWarning)
     from PIL import ImageFile
 
@@ -132,21 +136,77 @@ def check_pixels(width: int, height: int, max_pixels: int, max_side: int) -> Non
 
 
 def probe(data: bytes, fmt: str, max_pixels: int, max_side: int, max_frames: int) -> Probe:
-    """Reads headers only for a still image. For an animation it walks the frame headers too
-    (Pillow refuses a frame whose extents blow past the pixel limit as it seeks)."""
+    """Reads headers only, never pixels: the canvas, the frames and their extents, and EXIF
+    orientation (the grid is chosen for the upright image)."""
     with _open(data, fmt) as img:
         width, height = img.size
         check_pixels(width, height, max_pixels, max_side)
         with refusals("media could not be parsed"):
-            num_frames = int(getattr(img, "n_frames", 1))
-            if num_frames > max_frames:
-                raise VisorError(Reason.FRAME_LIMIT, f"frames exceed max_frames ({max_frames})")
-            for index in range(1, num_frames):
-                img.seek(index)
-                check_pixels(*img.size, max_pixels, max_side)
-        if _orientation(img) in TRANSPOSED:
-            width, height = height, width  # the grid is chosen for the upright image
+            png = headers.read_png(data) if fmt == "PNG" else None
+            if fmt == "GIF":
+                num_frames = _gif_frames(data, max_pixels, max_side, max_frames)
+            else:
+                num_frames = _frames(img, png, max_pixels, max_side, max_frames)
+            orientation = _orientation(img) if png is None else _png_orientation(png.meta)
+        if orientation in TRANSPOSED:
+            width, height = height, width
         return Probe(width, height, num_frames)
+
+
+def _frame_limit(num_frames: int, max_frames: int) -> None:
+    if num_frames > max_frames:
+        raise VisorError(Reason.FRAME_LIMIT, f"frames exceed max_frames ({max_frames})")
+
+
+def _gif_frames(data: bytes, max_pixels: int, max_side: int, max_frames: int) -> int:
+    """A GIF declares no frame count: its blocks are walked, no further than the limit. A frame
+    reaching past the canvas grows it (as Pillow does), so every frame's extent is checked."""
+    gif = headers.gif_frames(data, max_frames)
+    _frame_limit(gif.num_frames, max_frames)
+    check_pixels(gif.width, gif.height, max_pixels, max_side)
+    return gif.num_frames
+
+
+def _frames(
+    img: Image.Image,
+    png: headers.PngHeaders | None,
+    max_pixels: int,
+    max_side: int,
+    max_frames: int,
+) -> int:
+    """The declared frame count (APNG's acTL, WebP's demuxer), checked against what the frame
+    headers say without decoding a frame."""
+    num_frames = int(getattr(img, "n_frames", 1))
+    _frame_limit(num_frames, max_frames)
+    if png is not None and num_frames > 1:
+        _apng_frames(png, num_frames - int(bool(img.info.get("default_image"))), img.size)
+    elif img.format not in ("PNG", "WEBP"):  # libwebp composites every frame onto the canvas
+        for index in range(1, num_frames):  # JPEG's MPO: seeking reads a frame's header only
+            img.seek(index)
+            check_pixels(*img.size, max_pixels, max_side)
+    return num_frames
+
+
+def _apng_frames(png: headers.PngHeaders, wanted: int, canvas: tuple[int, int]) -> None:
+    """Each frame control must lie inside the canvas, and there must be as many as declared
+    (Pillow refuses either while seeking)."""
+    if len(png.frames) < wanted:
+        raise VisorError(Reason.CORRUPT_MEDIA, "the animation holds fewer frames than it declares")
+    for width, height, x, y in png.frames[:wanted]:
+        if x + width > canvas[0] or y + height > canvas[1]:
+            raise VisorError(Reason.CORRUPT_MEDIA, "an animation frame lies outside its canvas")
+
+
+def _png_orientation(meta: tuple[bytes, ...]) -> int:
+    """A PNG's orientation without decoding it: Pillow reads its metadata only after the image
+    data (a full decode) unless eXIf comes first, so it reads a one-pixel stand-in instead."""
+    if not meta:
+        return 1
+    try:
+        with Image.open(io.BytesIO(headers.png_stand_in(meta)), formats=["PNG"]) as stand_in:
+            return _orientation(stand_in)
+    except Exception:
+        return 1  # unreadable metadata: decode as stored
 
 
 def _orientation(img: Image.Image) -> int:
@@ -283,6 +343,11 @@ def warm() -> None:
             frames = tuple(range(p.num_frames))
             for rows, cols in ((1, 1), (1, 2)):
                 decode(data, Spec(fmt, 16, (0, 0, 0), rows, cols, frames, 1 << 20, 1 << 10))
+    exif = Image.Exif()
+    exif[ORIENTATION_TAG] = 6
+    tagged_png = io.BytesIO()  # a metadata chunk: the header walk and the one-pixel stand-in
+    Image.new("RGB", (8, 4)).save(tagged_png, "PNG", exif=exif.tobytes())
+    probe(tagged_png.getvalue(), "PNG", 1 << 20, 1 << 10, 8)
     big = io.BytesIO()
     Image.new("RGB", (512, 512)).save(big, "JPEG")
     decode(big.getvalue(), Spec("JPEG", 16, (0, 0, 0), 1, 1, (0,), 1 << 20, 1 << 10))

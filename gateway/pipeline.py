@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
@@ -26,7 +26,8 @@ from gateway.core_client import (
     Geometry,
     ItemHeader,
 )
-from gateway.pool import DecodePool
+from gateway.pool import Budget, DecodePool
+from gateway.probes import ProbeCache
 from gateway.sniff import VIDEO, sniff
 from gateway.types import Ask, Delta, Final
 from shared.errors import Reason, VisorError
@@ -39,14 +40,16 @@ def _ms(since: float) -> float:
     return (time.perf_counter() - since) * 1000
 
 
-async def _within(deadline: float | None, work: Awaitable[T]) -> T:
-    """Bounds waiting for decode workers by the request's own deadline (perf_counter time)."""
-    if deadline is None:
-        return await work
+async def _all(work: Sequence[Awaitable[T]]) -> list[T]:
+    """Awaits every job; the first refusal cancels the others (a waiting job leaves the queue, a
+    running one finishes in the background and its worker serves again). The pool bounds each
+    job by the request's deadline and decode budget."""
+    tasks = [asyncio.ensure_future(w) for w in work]
     try:
-        return await asyncio.wait_for(work, max(0.0, deadline - time.perf_counter()))
-    except TimeoutError:
-        raise VisorError(Reason.DEADLINE_EXCEEDED, "the deadline passed") from None
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,10 @@ class _Job:
     started: float  # arrival (perf_counter)
     timeout: float | None  # seconds from `started`
     plans: dict[int, list[Plan]] = field(default_factory=dict)  # by the core's tile side
+    budget: Budget = field(init=False)  # the request's share of the decode pool
+
+    def __post_init__(self) -> None:
+        self.budget = Budget(self.tenant, self.deadline)
 
     @property
     def deadline(self) -> float | None:
@@ -97,6 +104,7 @@ class Pipeline:
         self.default_profile = default_profile
         self.attempt_timeout_s = core_attempt_timeout_s
         self.video_enabled = video_enabled
+        self.probes = ProbeCache()
         lim = limits_cfg
         self.video_limits = video.VideoLimits(
             lim.max_video_duration_s,
@@ -187,9 +195,7 @@ class Pipeline:
                 raise
             raise CoreUnreachable("Describe timed out") from None
         if geo.image_size not in job.plans:  # cores of one deployment share it: plan once
-            job.plans[geo.image_size] = await self._plan(
-                job.media, job.formats, job.ask.detail, geo, timings, job.deadline
-            )
+            job.plans[geo.image_size] = await self._plan(job, geo, timings)
         plans = job.plans[geo.image_size]
         items = [(p, f) for p in plans for f in p.frames]
         headers = _headers(job.hashes, geo, items)
@@ -197,9 +203,7 @@ class Pipeline:
 
         async def pixels_for(missing: list[int]) -> list[np.ndarray]:
             missed[:] = missing
-            return await self._decode(
-                job.media, job.formats, geo, items, missing, timings, job.deadline
-            )
+            return await self._decode(job, geo, items, missing, timings)
 
         def on_transfer(ms: float) -> None:
             timings["transfer"] = ms
@@ -226,48 +230,48 @@ class Pipeline:
                 item_hashes = [h.content_hash for h in headers]
                 yield _final(event, item_hashes, set(missed), timings, job.started, first)
 
-    async def _plan(
-        self,
-        media: list[bytes],
-        formats: list[str],
-        detail: str,
-        geo: Geometry,
-        timings: dict[str, float],
-        deadline: float | None,
-    ) -> list[Plan]:
-        if not media:
-            return []
-        t0 = time.perf_counter()
+    async def _plan(self, job: _Job, geo: Geometry, timings: dict[str, float]) -> list[Plan]:
         lim = self.limits
-        args = {"max_pixels": lim.max_pixels, "max_side": lim.max_side}
-        args["max_frames"] = lim.max_frames
-        jobs = [
-            self.pool.run("probe", {**args, "fmt": f, "video": self.video_limits}, m)
-            for m, f in zip(media, formats, strict=True)
-        ]
-        probes = await _within(deadline, asyncio.gather(*jobs))
-        timings["probe"] = _ms(t0)
         plans = []
-        for index, reply in enumerate(probes):
-            w, h = int(reply.body["width"]), int(reply.body["height"])
-            grid = tiling.grid_for(detail, w, h, geo.image_size, lim.max_tiles)
-            num_frames = int(reply.body["num_frames"])
-            if formats[index] in VIDEO:  # the worker already sampled: one item per sample time
-                frames = tuple(range(min(num_frames, lim.max_sampled_frames)))
+        for index, probe in enumerate(await self._probe(job, timings)):
+            w, h = probe.width, probe.height
+            grid = tiling.grid_for(job.ask.detail, w, h, geo.image_size, lim.max_tiles)
+            if job.formats[index] in VIDEO:  # the worker already sampled: one item per sample time
+                frames = tuple(range(min(probe.num_frames, lim.max_sampled_frames)))
             else:
-                frames = tiling.sample_frames(num_frames, lim.max_sampled_frames)
+                frames = tiling.sample_frames(probe.num_frames, lim.max_sampled_frames)
             plans.append(Plan(index, grid, frames))
         return plans
 
+    async def _probe(self, job: _Job, timings: dict[str, float]) -> list[decode.Probe]:
+        """Each item's probe: from the probe cache when these bytes were probed under these
+        limits before (no worker job, no `probe` stage), else from one probe job per item."""
+        t0 = time.perf_counter()
+        lim = self.limits
+        limits = {"max_pixels": lim.max_pixels, "max_side": lim.max_side}
+        limits.update(max_frames=lim.max_frames)
+        args = [{**limits, "fmt": f, "video": self.video_limits} for f in job.formats]
+        keys = [self.probes.key(job.tenant, h, a) for h, a in zip(job.hashes, args, strict=True)]
+        found = {k: p for k in keys if (p := self.probes.get(k)) is not None}
+        todo = {k: (m, a) for k, m, a in zip(keys, job.media, args, strict=True) if k not in found}
+        if todo:
+            jobs = [self.pool.run("probe", a, m, job.budget) for m, a in todo.values()]
+            for k, reply in zip(todo, await _all(jobs), strict=True):
+                body = reply.body
+                found[k] = decode.Probe(
+                    int(body["width"]), int(body["height"]), int(body["num_frames"])
+                )
+                self.probes.put(k, found[k])
+            timings["probe"] = _ms(t0)
+        return [found[k] for k in keys]
+
     async def _decode(
         self,
-        media: list[bytes],
-        formats: list[str],
+        job: _Job,
         geo: Geometry,
         items: list[tuple[Plan, int]],
         missing: list[int],
         timings: dict[str, float],
-        deadline: float | None,
     ) -> list[np.ndarray]:
         """Decodes each media item once, for all of its frames the core lacks."""
         wanted: dict[int, list[int]] = {}
@@ -280,7 +284,7 @@ class Pipeline:
         jobs = []
         for m in order:
             spec = decode.Spec(
-                formats[m],
+                job.formats[m],
                 geo.image_size,
                 geo.fill,
                 grids[m].rows,
@@ -290,8 +294,8 @@ class Pipeline:
                 lim.max_side,
             )
             args = {**spec.to_json(), "video": self.video_limits}
-            jobs.append(self.pool.run("decode", args, media[m]))
-        replies = await _within(deadline, asyncio.gather(*jobs))
+            jobs.append(self.pool.run("decode", args, job.media[m], job.budget))
+        replies = await _all(jobs)
         if replies:
             timings["image_decode"] = sum(float(r.body["decode_ms"]) for r in replies)
             timings["preprocess"] = sum(float(r.body["preprocess_ms"]) for r in replies)

@@ -1,10 +1,18 @@
 """The sandboxed decode pool: worker processes of our own (spawned before the gRPC server), one
 job at a time each, jobs over a pipe, pixels back through shared memory.
 
-A job past its wall-clock deadline, or a worker that dies, costs only that job: that one worker
-is killed, reaped and replaced while the others keep serving. A worker is recycled after
-`max_jobs` jobs. Replies are JSON and shapes are checked against what was asked for: nothing a
-worker sends is trusted (it is never unpickled).
+Workers are shared fairly between tenants: a free worker goes to the waiting tenant that holds the
+fewest workers, taking turns among equals, so one tenant's backlog never stands between another
+tenant's job and the next free worker. A request's jobs share one `Budget`:
+`timeout_s` bounds their decode time together (counted once while several run), and no job runs
+past the request's deadline.
+
+A job past its deadline, or a worker that dies, costs only that job: that one worker is killed,
+reaped and replaced while the others keep serving. A caller that goes away (a cancelled request)
+does not kill a worker: its job finishes in the background within its deadline, the reply is
+dropped and the worker serves again. A worker is recycled after `max_jobs` jobs. Replies are JSON
+and shapes are checked against what was asked for: nothing a worker sends is trusted (it is never
+unpickled).
 """
 
 from __future__ import annotations
@@ -12,13 +20,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import json
 import math
 import mmap
 import multiprocessing
 import os
 import signal
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import recv_handle
@@ -40,7 +50,7 @@ class PoolSettings:
     """Plain values the pool needs (the server unpacks GatewayConfig into these)."""
 
     workers: int  # worker processes
-    timeout_s: float  # wall clock per job
+    timeout_s: float  # decode time per request (all its jobs), and so per job at most
     max_jobs: int  # jobs before a worker is recycled
     max_pixels: int  # Pillow's bomb threshold inside workers
     memory_bytes: int  # RLIMIT_AS per worker
@@ -104,16 +114,51 @@ def _reap(proc: BaseProcess) -> None:
     proc.join(timeout=10)
 
 
+@dataclass(slots=True)
+class Budget:
+    """One request's claim on the pool: the tenant its jobs count against, the decode time they
+    have used, and the request's deadline (`time.perf_counter()` seconds). Time counts while at
+    least one of its jobs holds a worker, once however many run together: waiting for a worker
+    is free, and jobs running side by side share one clock."""
+
+    tenant: str = ""  # whose share of the workers these jobs use
+    deadline: float | None = None  # when the request ends; None = no deadline
+    _used_s: float = field(default=0.0, init=False)  # busy spells that have ended
+    _running: int = field(default=0, init=False)  # jobs holding a worker now
+    _since: float = field(default=0.0, init=False)  # when the current busy spell began
+
+    def used_s(self, now: float) -> float:
+        return self._used_s + (now - self._since if self._running else 0.0)
+
+    def start(self, now: float) -> None:
+        if not self._running:
+            self._since = now
+        self._running += 1
+
+    def stop(self, now: float) -> None:
+        self._running -= 1
+        if not self._running:
+            self._used_s += now - self._since
+
+
+_Entry = tuple[int, "asyncio.Future[_Worker]"]  # (arrival number, the waiting job's future)
+
+
 class DecodePool:
     def __init__(self, settings: PoolSettings) -> None:
         self.settings = settings
-        self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
+        self._idle: list[_Worker] = []
         self._all: dict[int, _Worker] = {}
-        self._waiting = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._waiting: dict[str, collections.deque[_Entry]] = {}  # by tenant, oldest first
+        self._num_waiting = 0
+        self._held: collections.Counter[str] = collections.Counter()  # workers busy per tenant
+        self._turns: dict[str, int] = {}  # when each waiting tenant was last handed a worker
+        self._arrivals = itertools.count()  # orders waiting jobs and hand-outs alike
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self.report: dict[str, str] = {}
         self.exit_codes: collections.deque[int] = collections.deque(maxlen=64)  # for health/tests
+        self.num_jobs: collections.Counter[str] = collections.Counter()  # sent to workers, by job
 
     @property
     def timeout_s(self) -> float:
@@ -125,34 +170,129 @@ class DecodePool:
         for _ in range(self.settings.workers):
             w = _spawn(self.settings)
             self._all[w.pid] = w
-            self._idle.put_nowait(w)
+            self._idle.append(w)
         self.report = next(iter(self._all.values())).report
         return self.report
 
     def pids(self) -> list[int]:
         return sorted(self._all)
 
-    async def run(self, job: str, args: dict[str, Any], data: bytes = b"") -> Reply:
-        """Runs one job on the next free worker. The deadline counts from when a worker takes it."""
-        if self._waiting >= self.settings.max_queue:
+    async def run(
+        self, job: str, args: dict[str, Any], data: bytes = b"", budget: Budget | None = None
+    ) -> Reply:
+        """Runs one job on a worker under `budget`, shared by a request's jobs (by default one of
+        its own: no tenant, no deadline). Once a worker has it, the job runs to its reply or its
+        deadline even if the caller is cancelled meanwhile."""
+        budget = budget if budget is not None else Budget()
+        w = await self._acquire(budget)
+        task = asyncio.get_running_loop().create_task(self._job(w, budget, job, args, data))
+        self._track(task)
+        return await asyncio.shield(task)
+
+    async def _acquire(self, budget: Budget) -> _Worker:
+        tenant = budget.tenant
+        if self._idle and not self._num_waiting:
+            self._held[tenant] += 1
+            return self._idle.pop()
+        if self._num_waiting >= self.settings.max_queue:
             raise VisorError(Reason.OVERLOADED, "the decode queue is full; retry later")
-        self._waiting += 1
+        entry: _Entry = (next(self._arrivals), asyncio.get_running_loop().create_future())
+        self._waiting.setdefault(tenant, collections.deque()).append(entry)
+        self._num_waiting += 1
         try:
-            w = await self._idle.get()
-        finally:
-            self._waiting -= 1
+            async with asyncio.timeout(_seconds_to(budget.deadline)):
+                return await entry[1]
+        except BaseException as exc:
+            self._abandon(tenant, entry)
+            if isinstance(exc, TimeoutError):
+                raise VisorError(
+                    Reason.DEADLINE_EXCEEDED, "the deadline passed while waiting for a decoder"
+                ) from None
+            raise
+
+    def _abandon(self, tenant: str, entry: _Entry) -> None:
+        """A waiting job gave up: it leaves the queue, or hands on the worker it was just given."""
+        queue = self._waiting.get(tenant)
+        if queue is not None and entry in queue:
+            queue.remove(entry)
+            self._num_waiting -= 1
+            if not queue:
+                self._forget(tenant)
+        elif entry[1].done() and not entry[1].cancelled():
+            self._unhold(tenant)
+            self._idle.append(entry[1].result())
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Hands free workers to waiting jobs: first to the tenant that holds the fewest workers;
+        among equals, to the one served least recently (turns), then the longest waiting."""
+        while self._idle and self._waiting:
+            tenant = min(self._waiting, key=self._priority)
+            queue = self._waiting[tenant]
+            _, fut = queue.popleft()
+            self._num_waiting -= 1
+            self._turns[tenant] = next(self._arrivals)
+            if not queue:
+                self._forget(tenant)
+            if fut.done():  # its caller is gone
+                continue
+            self._held[tenant] += 1
+            fut.set_result(self._idle.pop())
+
+    def _priority(self, tenant: str) -> tuple[int, int, int]:
+        return self._held[tenant], self._turns.get(tenant, -1), self._waiting[tenant][0][0]
+
+    def _forget(self, tenant: str) -> None:
+        """A tenant with nothing waiting keeps no turn: its next job queues as a newcomer's."""
+        del self._waiting[tenant]
+        self._turns.pop(tenant, None)
+
+    def _unhold(self, tenant: str) -> None:
+        self._held[tenant] -= 1
+        if self._held[tenant] <= 0:
+            del self._held[tenant]
+
+    def _limit(self, budget: Budget, now: float) -> tuple[float, VisorError]:
+        """How long this job may run, and its refusal when that runs out."""
+        left = self.timeout_s - budget.used_s(now)
+        if budget.deadline is not None and budget.deadline - now < left:
+            return budget.deadline - now, VisorError(
+                Reason.DEADLINE_EXCEEDED, "the deadline passed"
+            )
+        message = f"decoding took longer than decode_timeout_s ({self.timeout_s:g} s)"
+        return left, VisorError(Reason.DECODE_TIMEOUT, message)
+
+    async def _job(
+        self, w: _Worker, budget: Budget, job: str, args: dict[str, Any], data: bytes
+    ) -> Reply:
+        now = time.perf_counter()
+        limit, refusal = self._limit(budget, now)
+        if limit <= 0:  # nothing left: the worker never sees this job
+            self._release(w, budget.tenant, True)
+            raise refusal
+        self.num_jobs[job] += 1
         keep = False  # a worker whose job did not end in a clean reply is replaced
+        budget.start(now)
         try:
-            reply = await self._exchange(w, job, args, data)
+            reply = await self._exchange(w, job, args, data, limit, refusal)
             keep = True
             return reply
-        except _Refusal as refusal:
-            keep = not refusal.recycle
-            raise VisorError(refusal.reason, refusal.message, refusal.detail) from None
+        except _Refusal as refused:
+            keep = not refused.recycle
+            raise VisorError(refused.reason, refused.message, refused.detail) from None
         finally:
-            self._release(w, keep)
+            budget.stop(time.perf_counter())
+            self._release(w, budget.tenant, keep)
 
-    async def _exchange(self, w: _Worker, job: str, args: dict[str, Any], data: bytes) -> Reply:
+    async def _exchange(
+        self,
+        w: _Worker,
+        job: str,
+        args: dict[str, Any],
+        data: bytes,
+        limit_s: float,
+        refusal: VisorError,
+    ) -> Reply:
         w.jobs += 1
         try:
             header: dict[str, Any] = {"job": job, "args": args}
@@ -163,12 +303,10 @@ class DecodePool:
                 header["shm_input"], data = len(data), b""
             w.conn.send_bytes(json.dumps(header).encode())
             w.conn.send_bytes(data)
-            raw = await asyncio.wait_for(self._recv(w.conn), self.settings.timeout_s)
+            raw = await asyncio.wait_for(self._recv(w.conn), limit_s)
         except TimeoutError:
-            log.warning("decode_timeout", pid=w.pid)
-            raise VisorError(
-                Reason.DECODE_TIMEOUT, f"decoding took longer than {self.timeout_s:g} s"
-            ) from None
+            log.warning("decode_timeout", pid=w.pid, reason=refusal.reason.value)
+            raise refusal from None
         except (EOFError, OSError):
             code = await asyncio.to_thread(_exit_code, w.proc)
             self.exit_codes.append(code)
@@ -195,14 +333,29 @@ class DecodePool:
         # A reply is one small write, so once readable it is all there (or EOF).
         return conn.recv_bytes(MAX_REPLY_BYTES)
 
-    def _release(self, w: _Worker, keep: bool) -> None:
+    def _release(self, w: _Worker, tenant: str, keep: bool) -> None:
+        self._unhold(tenant)
         if keep and w.jobs < self.settings.max_jobs and not self._closed:
-            self._idle.put_nowait(w)
+            self._idle.append(w)
+            self._dispatch()
             return
         self._all.pop(w.pid, None)
-        task = asyncio.get_running_loop().create_task(self._replace(w))
+        self._track(asyncio.get_running_loop().create_task(self._replace(w)))
+
+    def _track(self, task: asyncio.Task[Any]) -> None:
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        # Retrieved here: a job whose caller went away has no one else to see how it ended.
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and not isinstance(exc, VisorError):
+            log.error(
+                "decode_pool_error", error_type=type(exc).__name__, where=logs.error_site(exc)
+            )
 
     async def _replace(self, old: _Worker) -> None:
         await asyncio.to_thread(_retire, old)
@@ -217,11 +370,13 @@ class DecodePool:
                 await asyncio.to_thread(_retire, new)
                 return
             self._all[new.pid] = new
-            self._idle.put_nowait(new)
+            self._idle.append(new)
+            self._dispatch()
             return
 
     async def drain(self) -> None:
-        """Waits until replacements in flight are done (tests use it to count workers)."""
+        """Waits until jobs whose callers went away and replacements in flight are done (tests
+        use it to count workers)."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
@@ -230,6 +385,10 @@ class DecodePool:
         for w in list(self._all.values()):
             _retire(w)
         self._all.clear()
+
+
+def _seconds_to(deadline: float | None) -> float | None:
+    return None if deadline is None else deadline - time.perf_counter()
 
 
 def _exit_code(proc: BaseProcess) -> int:

@@ -1,15 +1,18 @@
-"""What both servers do alike: health and reflection, signal-driven graceful shutdown."""
+"""What both servers do alike: health and reflection, signal-driven graceful shutdown, and
+asyncio's own error reports kept to JSON log lines."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shared import logs
 from shared.config import ConfigError
 
 # Keeps every message far under what a hostile peer could make us buffer, while allowing the
@@ -57,12 +60,30 @@ async def set_serving(servicer: health.aio.HealthServicer, service_names: Sequen
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
+def log_loop_errors(loop: asyncio.AbstractEventLoop) -> None:
+    """What asyncio would print to stderr as text with a traceback (a task's exception nobody
+    retrieved, a callback that raised) becomes one JSON log line: the error's type and where it
+    was raised, never its message (which may quote user content)."""
+    log = logs.get("asyncio")
+
+    def handler(_: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, BaseException):
+            log.error("loop_error", error_type=type(exc).__name__, where=logs.error_site(exc))
+        else:
+            log.error("loop_error", error_type="none")
+
+    loop.set_exception_handler(handler)
+
+
 async def serve_until_signal(
     server: grpc.aio.Server, grace_s: float, on_stop: Callable[[], Awaitable[None]]
 ) -> None:
-    """Runs until SIGINT/SIGTERM, then stops accepting, drains for `grace_s`, and cleans up."""
+    """Runs until SIGINT/SIGTERM, then stops accepting, drains for `grace_s`, and cleans up.
+    asyncio's error reports go to the JSON log from here on."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    log_loop_errors(loop)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
