@@ -36,15 +36,26 @@ def ask_from_proto(req: gateway_pb2.GenerateRequest, media: list[bytes] | None =
         turns.append(Turn("user", req.prompt, take(req.media)))
     p = req.params
     params = Params(
-        p.max_new_tokens, p.min_new_tokens, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop)
-    )
+        p.max_new_tokens, p.min_new_tokens, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop),
+        p.logprobs, p.top_logprobs,
+    )  # fmt: skip
     return Ask(tuple(turns), params, req.profile, DETAILS.get(req.detail, "auto"))
 
 
 def _event(out: Delta | Final) -> gateway_pb2.GenerateEvent:
     if isinstance(out, Delta):
+        logprobs = [
+            gateway_pb2.TokenLogprob(
+                token=lp.token,
+                logprob=lp.logprob,
+                top=[gateway_pb2.TopLogprob(token=t, logprob=v) for t, v in lp.top],
+            )
+            for lp in out.logprobs
+        ]
         return gateway_pb2.GenerateEvent(
-            delta=gateway_pb2.TokenDelta(text=out.text, num_tokens=out.num_tokens)
+            delta=gateway_pb2.TokenDelta(
+                text=out.text, num_tokens=out.num_tokens, logprobs=logprobs
+            )
         )
     return gateway_pb2.GenerateEvent(
         final=gateway_pb2.Final(
