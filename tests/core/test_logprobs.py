@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from core.engine import Engine
-from core.generate import logprobs_of
+from core.generate import TextStream, logprobs_of, token_logprobs
 from core.model.tokenizer import ChatTurn
+from core.sequence import SampleLogprobs
 from core.types import Delta, InferRequest, Result, SamplingParams
 from shared.errors import Reason, VisorError
 from shared.sampling import TokenLogprob, check_logprobs
@@ -156,3 +157,21 @@ def test_bad_logprob_values_are_refused_at_the_core(
         engine.check_request(req)
     assert info.value.reason == Reason.INVALID_REQUEST and names in info.value.message
     check_logprobs(True, 20)  # the edge is admitted
+
+
+def test_a_split_character_is_named_by_the_token_that_completes_it(engine: Engine) -> None:
+    """Byte-level pieces of one character: the chosen token's text is "" until the character is
+    whole, so the entries still spell the answer; an alternative decoded alone shows U+FFFD."""
+    tok = engine.tokenizer
+    text = "naïve 日本"
+    ids = tok.tok.encode(text, add_special_tokens=False).ids
+    stream = TextStream(tok.detokenizer(), ())
+    pieces = []
+    for i in ids:
+        stream.push(i)
+        lp = SampleLogprobs(-1.0, (i,), (-1.0,))
+        (entry,) = token_logprobs(stream.piece, lp, tok.token_text)
+        pieces.append(entry.token)
+        assert entry.top == ((tok.token_text(i), -1.0),)
+    assert "".join(pieces) == text == stream.text
+    assert "" in pieces and "\ufffd" in {tok.token_text(i) for i in ids}
