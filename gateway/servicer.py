@@ -17,6 +17,7 @@ from shared import logs
 from shared.errors import Reason, VisorError
 from shared.metrics import observe
 from shared.proto import gateway_pb2, gateway_pb2_grpc
+from shared.sampling import TokenLogprob
 from shared.status import to_status
 
 log = logs.get("gateway.servicer")
@@ -44,14 +45,7 @@ def ask_from_proto(req: gateway_pb2.GenerateRequest, media: list[bytes] | None =
 
 def _event(out: Delta | Final) -> gateway_pb2.GenerateEvent:
     if isinstance(out, Delta):
-        logprobs = [
-            gateway_pb2.TokenLogprob(
-                token=lp.token,
-                logprob=lp.logprob,
-                top=[gateway_pb2.TopLogprob(token=t, logprob=v) for t, v in lp.top],
-            )
-            for lp in out.logprobs
-        ]
+        logprobs = map(_logprob, out.logprobs)
         return gateway_pb2.GenerateEvent(
             delta=gateway_pb2.TokenDelta(
                 text=out.text, num_tokens=out.num_tokens, logprobs=logprobs
@@ -72,6 +66,11 @@ def _event(out: Delta | Final) -> gateway_pb2.GenerateEvent:
             finish_reason=out.finish_reason,
         )
     )
+
+
+def _logprob(lp: TokenLogprob) -> gateway_pb2.TokenLogprob:
+    top = [gateway_pb2.TopLogprob(token=t, logprob=v) for t, v in lp.top]
+    return gateway_pb2.TokenLogprob(token=lp.token, logprob=lp.logprob, top=top)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
