@@ -30,7 +30,7 @@ import torch
 
 from core import compression, encoders, metrics
 from core.config import SchedulerConfig
-from core.generate import TextStream
+from core.generate import TextStream, token_logprobs
 from core.kv_cache import ImageSpan, KVCacheManager
 from core.model import llava
 from core.model.paged import PagedKV
@@ -41,7 +41,7 @@ from core.sequence import EngineFailure, Event, Finished, RequestStatus, Sequenc
 from core.types import CoreInfo, Delta, InferRequest, ItemSpec, Result, SamplingParams
 from shared import logs
 from shared.errors import Reason, VisorError
-from shared.sampling import check_sampling, check_stop
+from shared.sampling import check_logprobs, check_sampling, check_stop
 
 PREPROCESS_VERSION = "pp1"
 T = TypeVar("T")
@@ -183,6 +183,7 @@ class Engine:
         p = req.params
         check_sampling(p.temperature, p.top_p, p.top_k, p.min_new_tokens, p.max_new_tokens)
         check_stop(p.stop, self.max_stop_strings, self.max_stop_bytes)
+        check_logprobs(p.logprobs, p.top_logprobs)
         if p.max_new_tokens < 1:
             raise VisorError(Reason.INVALID_REQUEST, "max_new_tokens must be >= 1")
         if len(req.items) > self.max_items:
@@ -294,7 +295,8 @@ class Engine:
                     if stream.stopped:  # the model thread does not know: it drops it next
                         end = finished(seq, num_tokens, "stop")
                         self._cancel(seq.seq_id, cancelled=False)
-                    yield Delta(text, 1)
+                    lp = token_logprobs(stream.piece, event.logprobs, self.tokenizer.token_text)
+                    yield Delta(text, 1, lp)
                     continue
                 end = event
                 tail = stream.flush()

@@ -4,12 +4,14 @@ stop strings (the caller's event loop)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
+from core.sequence import SampleLogprobs
 from core.types import SamplingParams
-from shared.sampling import GREEDY_BELOW, MAX_TEMPERATURE
+from shared.sampling import GREEDY_BELOW, MAX_TEMPERATURE, TokenLogprob
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
@@ -40,6 +42,28 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -
     return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=gen))
 
 
+def logprobs_of(logits: torch.Tensor, token: int, num_top: int) -> SampleLogprobs:
+    """`token`'s logprob and the `num_top` likeliest ids under the raw logits, as vLLM reports
+    by default: before temperature, top-k/top-p and EOS masking, so the values do not depend on
+    the sampling controls and no mask shows up as -inf."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logprobs, min(num_top, logprobs.shape[-1]))
+    return SampleLogprobs(
+        float(logprobs[token]), tuple(top.indices.tolist()), tuple(top.values.tolist())
+    )
+
+
+def token_logprobs(
+    piece: str, lp: SampleLogprobs | None, token_text: Callable[[int], str]
+) -> tuple[TokenLogprob, ...]:
+    """The caller's side of `logprobs_of` (none when not asked for): `piece` is the text the
+    sampled token completed; the alternatives are named by `token_text`."""
+    if lp is None:
+        return ()
+    top = zip(lp.top_ids, lp.top_logprobs, strict=True)
+    return (TokenLogprob(piece, lp.logprob, tuple((token_text(i), v) for i, v in top)),)
+
+
 class Detokenizer(Protocol):
     def step(self, token: int) -> str:
         """The text `token` completes ("" while a character is unfinished)."""
@@ -67,6 +91,7 @@ class TextStream:
             self._ends.append(ends)
         self._sent: list[str] = []  # text emitted so far
         self.held = ""  # text received, not yet emitted: it may still begin a stop string
+        self.piece = ""  # the text the last pushed token completed, emitted or not
         self.stopped = False
 
     @property
@@ -78,7 +103,7 @@ class TextStream:
         """Adds one token; returns the text that is now safe to emit."""
         if self.stopped:
             return ""
-        piece = self._detok.step(token)
+        piece = self.piece = self._detok.step(token)
         if not piece:
             return ""
         window = self.held + piece

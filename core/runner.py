@@ -9,7 +9,7 @@ import time
 import torch
 
 from core import metrics
-from core.generate import sample
+from core.generate import logprobs_of, sample
 from core.kv_cache import KVCacheManager
 from core.model import paged
 from core.model.llava import Llava
@@ -83,6 +83,7 @@ class ModelRunner:
         """Samples the next token and sends it; ends the sequence on EOS or length."""
         params = seq.params
         produced = seq.num_output_tokens
+        raw = logits  # logprobs are the model's, before min_new_tokens masks EOS out
         if produced < params.min_new_tokens:
             logits = logits.clone()
             logits[list(self.eos_ids)] = float("-inf")
@@ -95,7 +96,8 @@ class ModelRunner:
         if token in self.eos_ids:
             self.finish(seq, RequestStatus.FINISHED_STOPPED)
             return
-        seq.sink(Token(token))
+        logprobs = logprobs_of(raw, token, params.top_logprobs) if params.logprobs else None
+        seq.sink(Token(token, logprobs))
         if seq.num_output_tokens >= params.max_new_tokens:
             self.finish(seq, RequestStatus.FINISHED_LENGTH)
 

@@ -36,11 +36,22 @@ class EngineFailure(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class SampleLogprobs:
+    """Logprobs of one step under the model's raw distribution, as ids and floats: the caller's
+    event loop turns the ids into text."""
+
+    logprob: float  # of the sampled token
+    top_ids: tuple[int, ...]  # the likeliest ids, most likely first
+    top_logprobs: tuple[float, ...]  # their logprobs, in the same order
+
+
+@dataclass(frozen=True, slots=True)
 class Token:
     """One sampled token. The model thread sends ids only: detokenising and stop strings run on
     the caller's event loop, so their cost never lands on the thread every tenant shares."""
 
     token_id: int  # the sampled id (never an end-of-sequence id)
+    logprobs: SampleLogprobs | None = None  # only when the request asked for them
 
 
 @dataclass(frozen=True, slots=True)

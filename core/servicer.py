@@ -40,6 +40,8 @@ def request_from_proto(h: core_pb2.InferHeader) -> InferRequest:
             top_k=p.top_k,
             seed=p.seed,
             stop=tuple(p.stop),
+            logprobs=p.logprobs,
+            top_logprobs=p.top_logprobs,
         ),
         items=tuple(
             ItemSpec(
@@ -139,9 +141,7 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
         content = [k.encode() + b"\x1f" + chosen.name.encode() for k in keys]
         async for out in self.engine.generate(req, features, timings, before, content):
             if isinstance(out, Delta):
-                yield core_pb2.CoreEvent(
-                    delta=core_pb2.CoreDelta(text=out.text, num_tokens=out.num_tokens)
-                )
+                yield core_pb2.CoreEvent(delta=_delta(out))
             else:
                 yield core_pb2.CoreEvent(final=_final(out, self.engine.info.core_id))
                 observe(metrics.STAGES, out.timings_ms)
@@ -192,6 +192,21 @@ async def _receive_tensors(
             done[chunk.item_index] = assembler.array()
             del pending[chunk.item_index]
     return done
+
+
+def _delta(d: Delta) -> core_pb2.CoreDelta:
+    return core_pb2.CoreDelta(
+        text=d.text,
+        num_tokens=d.num_tokens,
+        logprobs=[
+            core_pb2.CoreTokenLogprob(
+                token=lp.token,
+                logprob=lp.logprob,
+                top=[core_pb2.CoreTopLogprob(token=t, logprob=v) for t, v in lp.top],
+            )
+            for lp in d.logprobs
+        ],
+    )
 
 
 def _final(r: Result, core_id: str) -> core_pb2.CoreFinal:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.model.tokenizer import ChatTurn
+from shared.sampling import TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +17,8 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k filter
     seed: int = 0  # sampling seed
     stop: tuple[str, ...] = ()  # stop strings, excluded from the output
+    logprobs: bool = False  # report each token's logprob
+    top_logprobs: int = 0  # alternatives reported per token
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,7 @@ class CoreInfo:
 class Delta:
     text: str  # new text since the previous delta
     num_tokens: int  # tokens this delta covers
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token covered, when asked for
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.types import Delta, Params, Turn
 from shared.errors import Reason, VisorError
 from shared.proto import core_pb2, core_pb2_grpc
+from shared.sampling import TokenLogprob
 from shared.secret import CORE_TOKEN_METADATA
 from shared.status import from_rpc_error
 from shared.wire import chunks
@@ -81,6 +82,8 @@ def _header(req: CoreRequest) -> core_pb2.InferHeader:
             top_k=p.top_k,
             seed=p.seed,
             stop=list(p.stop),
+            logprobs=p.logprobs,
+            top_logprobs=p.top_logprobs,
         ),
     )
     counts = req.num_images or tuple(len(t.media) for t in req.turns)
@@ -110,6 +113,10 @@ class CoreFinal:
     timings_ms: dict[str, float]  # core-side stages
     core_id: str  # served_by
     finish_reason: str  # "stop" or "length"
+
+
+def _logprob(lp: core_pb2.CoreTokenLogprob) -> TokenLogprob:
+    return TokenLogprob(lp.token, lp.logprob, tuple((t.token, t.logprob) for t in lp.top))
 
 
 CORE_SERVICE = "visor.v1.Core"
@@ -265,7 +272,8 @@ class CoreClient:
             while (event := await call.read()) is not grpc.aio.EOF:
                 kind = event.WhichOneof("kind")
                 if kind == "delta":
-                    yield Delta(event.delta.text, event.delta.num_tokens)
+                    d = event.delta
+                    yield Delta(d.text, d.num_tokens, tuple(map(_logprob, d.logprobs)))
                 elif kind == "final":
                     f = event.final
                     yield CoreFinal(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from gateway.config import LimitsConfig
 from gateway.types import Ask
 from shared.errors import Reason, VisorError
-from shared.sampling import check_sampling, check_stop
+from shared.sampling import check_logprobs, check_sampling, check_stop
 from shared.wire import PROFILES
 
 
@@ -58,4 +58,5 @@ def check_request(limits: LimitsConfig, ask: Ask) -> int:
         )
     check_sampling(p.temperature, p.top_p, p.top_k, p.min_new_tokens, wanted)
     check_stop(p.stop, limits.max_stop_strings, limits.max_stop_bytes)
+    check_logprobs(p.logprobs, p.top_logprobs)
     return wanted

@@ -22,6 +22,7 @@ from shared import logs
 from shared.errors import Reason, VisorError
 from shared.metrics import observe
 from shared.proto import gateway_pb2, gateway_pb2_grpc
+from shared.sampling import TokenLogprob
 from shared.status import to_status
 
 log = logs.get("gateway.servicer")
@@ -67,15 +68,19 @@ def ask_from_proto(req: gateway_pb2.GenerateRequest, media: list[bytes] | None =
         turns.append(Turn("user", req.prompt, take(req.media)))
     p = req.params
     params = Params(
-        p.max_new_tokens, p.min_new_tokens, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop)
-    )
+        p.max_new_tokens, p.min_new_tokens, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop),
+        p.logprobs, p.top_logprobs,
+    )  # fmt: skip
     return Ask(tuple(turns), params, req.profile, DETAILS.get(req.detail, "auto"))
 
 
 def _event(out: Delta | Final) -> gateway_pb2.GenerateEvent:
     if isinstance(out, Delta):
+        logprobs = map(_logprob, out.logprobs)
         return gateway_pb2.GenerateEvent(
-            delta=gateway_pb2.TokenDelta(text=out.text, num_tokens=out.num_tokens)
+            delta=gateway_pb2.TokenDelta(
+                text=out.text, num_tokens=out.num_tokens, logprobs=logprobs
+            )
         )
     return gateway_pb2.GenerateEvent(
         final=gateway_pb2.Final(
@@ -92,6 +97,11 @@ def _event(out: Delta | Final) -> gateway_pb2.GenerateEvent:
             finish_reason=out.finish_reason,
         )
     )
+
+
+def _logprob(lp: TokenLogprob) -> gateway_pb2.TokenLogprob:
+    top = [gateway_pb2.TopLogprob(token=t, logprob=v) for t, v in lp.top]
+    return gateway_pb2.TokenLogprob(token=lp.token, logprob=lp.logprob, top=top)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.sampling import TokenLogprob
+
 
 @dataclass(frozen=True, slots=True)
 class Turn:
@@ -21,6 +23,8 @@ class Params:
     top_k: int = 0  # 0 = off
     seed: int = 0  # 0 = derived from the request id
     stop: tuple[str, ...] = ()  # stop strings
+    logprobs: bool = False  # report each token's logprob
+    top_logprobs: int = 0  # alternatives reported per token
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +41,7 @@ class Ask:
 class Delta:
     text: str  # new text
     num_tokens: int  # tokens covered
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token covered, when asked for
 
 
 @dataclass(frozen=True, slots=True)

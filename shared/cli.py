@@ -65,12 +65,14 @@ def _ask(args: argparse.Namespace) -> int:
     from shared.errors import VisorError
 
     media = [Path(p).read_bytes() for p in args.images]
+    asked = {} if args.logprobs is None else {"logprobs": True, "top_logprobs": args.logprobs}
     req = client.build_request(
         args.prompt,
         media,
         detail=args.detail,
         profile=args.profile,
         max_new_tokens=args.max_new_tokens,
+        **asked,
     )
 
     def show(text: str) -> None:
@@ -292,6 +294,12 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--max-new-tokens", type=int, default=0)
     a.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
     a.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    a.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="N",
+        help="with --json: each token's logprob and its N (0..20) likeliest alternatives",
+    )
     a.set_defaults(fn=_ask)
     d = sub.add_parser("demo", help="start core + gateway, send the samples, print answers")
     d.add_argument("--model", default="models/demo")

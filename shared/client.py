@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -25,6 +25,8 @@ class Answer:
     cache: list[dict[str, Any]]  # per item: content_hash, hit
     served_by: str  # core id
     finish_reason: str = ""  # "stop" or "length"
+    # per generated token: token, logprob, top [{token, logprob}]; None when not asked for
+    logprobs: list[dict[str, Any]] | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -34,7 +36,7 @@ class Answer:
             "cache": self.cache,
             "served_by": self.served_by,
             "finish_reason": self.finish_reason,
-        }
+        } | ({} if self.logprobs is None else {"logprobs": self.logprobs})
 
 
 def build_request(
@@ -88,16 +90,24 @@ def ask(
             if big
             else stub.Generate(req, metadata=metadata, timeout=timeout)
         )
+        logprobs: list[dict[str, Any]] | None = [] if req.params.logprobs else None
         try:
             for event in call:
                 if event.WhichOneof("kind") == "delta":
                     if on_delta is not None:
                         on_delta(event.delta.text)
+                    if logprobs is not None:
+                        logprobs += map(_logprob, event.delta.logprobs)
                 else:
-                    return _answer(event.final)
+                    return replace(_answer(event.final), logprobs=logprobs)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
     raise VisorError(Reason.INTERNAL, "the stream ended without a final event")
+
+
+def _logprob(lp: gateway_pb2.TokenLogprob) -> dict[str, Any]:
+    top = [{"token": t.token, "logprob": t.logprob} for t in lp.top]
+    return {"token": lp.token, "logprob": lp.logprob, "top": top}
 
 
 def _answer(f: gateway_pb2.Final) -> Answer:

@@ -1,16 +1,28 @@
 """The documented ranges of the generation parameters. The gateway checks them, and the core checks
 them again (it does not trust the gateway): one bad value must be refused before it reaches a
-step it shares with other tenants' sequences. Refusals name the parameter, never its value."""
+step it shares with other tenants' sequences. Refusals name the parameter, never its value.
+Also the token logprob value that both services relay."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from shared.errors import Reason, VisorError
 
 MAX_TEMPERATURE = 100.0  # above this the distribution is uniform to float32 precision anyway
 GREEDY_BELOW = 1e-5  # smaller temperatures decode greedily (dividing by them overflows float32)
 MAX_TOP_K = 1000  # keep at most this many candidates; 0 = no top-k filter
+MAX_TOP_LOGPROBS = 20  # alternatives reported per token, as OpenAI's API and vLLM's default
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's logprob under the model's raw distribution (see gateway.proto)."""
+
+    token: str  # the text this token completes in the answer
+    logprob: float  # natural log of its probability
+    top: tuple[tuple[str, float], ...] = ()  # (token, logprob) alternatives, most likely first
 
 
 def check_sampling(
@@ -28,6 +40,14 @@ def check_sampling(
         raise VisorError(Reason.INVALID_REQUEST, f"top_k must be in [0, {MAX_TOP_K}]")
     if not 0 <= min_new_tokens <= max_new_tokens:
         raise VisorError(Reason.INVALID_REQUEST, "min_new_tokens exceeds max_new_tokens")
+
+
+def check_logprobs(logprobs: bool, top_logprobs: int) -> None:
+    """top_logprobs in [0, 20], and above 0 only with logprobs."""
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise VisorError(Reason.INVALID_REQUEST, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+    if top_logprobs and not logprobs:
+        raise VisorError(Reason.INVALID_REQUEST, "top_logprobs needs logprobs")
 
 
 def check_stop(stop: tuple[str, ...], max_strings: int, max_bytes: int) -> None:

@@ -47,6 +47,7 @@ class ChatTokenizer:
         template = _find_template(model_dir, cfg)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self.template = env.from_string(template)
+        self._texts: dict[int, str] = {}  # token_text's answers; at most one per vocabulary id
 
     def render(self, turns: list[ChatTurn]) -> str:
         messages = [
@@ -116,6 +117,13 @@ class ChatTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tok.decode(ids, skip_special_tokens=True))
+
+    def token_text(self, token: int) -> str:
+        """One id decoded on its own, special tokens by name (logprob alternatives)."""
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = str(self.tok.decode([token], skip_special_tokens=False))
+        return text
 
 
 class Detokenizer:
