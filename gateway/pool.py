@@ -184,10 +184,18 @@ class DecodePool:
         its own: no tenant, no deadline). Once a worker has it, the job runs to its reply or its
         deadline even if the caller is cancelled meanwhile."""
         budget = budget if budget is not None else Budget()
-        w = await self._acquire(budget)
-        task = asyncio.get_running_loop().create_task(self._job(w, budget, job, args, data))
-        self._track(task)
-        return await asyncio.shield(task)
+        for retried in (False, True):
+            w = await self._acquire(budget)
+            task = asyncio.get_running_loop().create_task(self._job(w, budget, job, args, data))
+            self._track(task)
+            try:
+                return await asyncio.shield(task)
+            except _Killed:
+                # SIGKILL comes from outside the worker (an operator, the OOM killer), never from
+                # the media's own code path: the job gets one more, fresh worker.
+                if retried:
+                    break
+        raise VisorError(Reason.DECODER_CRASHED, "the decoder was killed twice on this media")
 
     async def _acquire(self, budget: Budget) -> _Worker:
         tenant = budget.tenant
@@ -313,6 +321,8 @@ class DecodePool:
             log.warning("decoder_crashed", pid=w.pid, code=code)
             if code == -signal.SIGXCPU:
                 raise VisorError(Reason.DECODE_TIMEOUT, "decoding exceeded its CPU limit") from None
+            if code == -signal.SIGKILL:
+                raise _Killed(Reason.DECODER_CRASHED, "the decoder was killed") from None
             raise VisorError(Reason.DECODER_CRASHED, "the decoder crashed on this media") from None
         return _parse(raw, w.shm)
 
@@ -425,6 +435,10 @@ def _parse(raw: bytes, shm: mmap.mmap) -> Reply:
     if not isinstance(body, dict):
         raise VisorError(Reason.DECODER_CRASHED, "the decoder sent a malformed reply")
     return Reply(body, _arrays(body.get("shapes"), shm))
+
+
+class _Killed(VisorError):
+    """The worker died of SIGKILL while running the job."""
 
 
 class _Refusal(VisorError):

@@ -112,22 +112,48 @@ def test_a_stuck_job_times_out_and_only_its_worker_is_replaced(harness: Harness)
     assert len(after) == 2 and len(set(before) & set(after)) == 1
 
 
-def test_sigkill_mid_job_fails_only_that_request(harness: Harness) -> None:
+def test_a_worker_killed_from_outside_costs_its_job_one_retry_not_the_request(
+    harness: Harness,
+) -> None:
     harness.settle()
 
-    async def scenario() -> list[object]:
+    async def scenario() -> tuple[list[object], int]:
         jobs = [
             asyncio.ensure_future(harness.pool.run("test:sleep", {"seconds": 1.0}))
             for _ in range(2)
         ]
         await asyncio.sleep(0.3)  # both workers are now inside their job
-        os.kill(harness.pool.pids()[0], signal.SIGKILL)
-        return await asyncio.gather(*jobs, return_exceptions=True)
+        victim = harness.pool.pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        return await asyncio.gather(*jobs, return_exceptions=True), victim
 
-    results = harness.runner.run(scenario())
-    failed = [r for r in results if isinstance(r, VisorError)]
-    assert len(failed) == 1 and failed[0].reason is Reason.DECODER_CRASHED
-    assert len(harness.settle()) == 2
+    results, victim = harness.runner.run(scenario())
+    assert not [r for r in results if isinstance(r, BaseException)], results
+    assert -signal.SIGKILL in harness.pool.exit_codes
+    after = harness.settle()
+    assert len(after) == 2 and victim not in after
+
+
+def test_a_job_whose_worker_is_killed_twice_is_decoder_crashed() -> None:
+    h = Harness(workers=1)
+
+    async def scenario() -> object:
+        job = asyncio.ensure_future(h.pool.run("test:sleep", {"seconds": 1.0}))
+        killed: list[int] = []
+        for _ in range(2):
+            while not h.pool.pids() or h.pool.pids()[0] in killed:  # the replacement starts
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)  # the job (the first run, then its retry) is inside it
+            killed.append(h.pool.pids()[0])
+            os.kill(killed[-1], signal.SIGKILL)
+        return (await asyncio.gather(job, return_exceptions=True))[0]
+
+    try:
+        failed = h.runner.run(scenario())
+        assert isinstance(failed, VisorError) and failed.reason is Reason.DECODER_CRASHED
+        assert len(h.settle()) == 1
+    finally:
+        h.close()
 
 
 def test_a_full_queue_is_overloaded() -> None:
