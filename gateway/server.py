@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import sys
 from functools import partial
 from importlib import metadata
 
@@ -123,11 +122,8 @@ def _start_pool(cfg: GatewayConfig, lim: LimitsConfig, log: object) -> DecodePoo
         pool.close()
         raise ConfigError(f'[gateway] sandbox = "strict" but missing: {", ".join(gaps)}')
     if gaps:
+        # One JSON line, like every other line on stderr (a plain-text copy broke log parsers).
         log.warning("sandbox_weakened", protections={g: report.get(g, "") for g in gaps})  # type: ignore[attr-defined]
-        print(
-            f"visor gateway: WARNING: sandbox protections missing: {', '.join(gaps)}",
-            file=sys.stderr,
-        )
     return pool
 
 
