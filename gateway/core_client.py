@@ -259,14 +259,7 @@ class CoreClient:
             missing = [i for i, held in enumerate(reply.cache.held) if not held]
             arrays = await pixels_for(missing)
             t0 = time.perf_counter()
-            for index, array in zip(missing, arrays, strict=True):
-                for piece in chunks(array):
-                    await call.write(
-                        core_pb2.CoreMessage(
-                            tensor=core_pb2.TensorChunk(item_index=index, data=piece)
-                        )
-                    )
-            await call.done_writing()
+            await _send_tensors(call, missing, arrays)
             if missing:
                 on_transfer((time.perf_counter() - t0) * 1000)
             while (event := await call.read()) is not grpc.aio.EOF:
@@ -295,3 +288,17 @@ class CoreClient:
 
     async def close(self) -> None:
         await self._channel.close()
+
+
+async def _send_tensors(call: Any, missing: list[int], arrays: list[np.ndarray]) -> None:
+    try:
+        for index, array in zip(missing, arrays, strict=True):
+            for piece in chunks(array):
+                chunk = core_pb2.TensorChunk(item_index=index, data=piece)
+                await call.write(core_pb2.CoreMessage(tensor=chunk))
+        await call.done_writing()
+    except asyncio.InvalidStateError:
+        # The core ended the call while we were writing (it refused the request): reading the
+        # call raises its status, with the core's reason.
+        await call.read()
+        raise CoreUnreachable("the core ended the call during the transfer") from None
