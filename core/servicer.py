@@ -116,7 +116,7 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
         req = request_from_proto(first.header)
         self.engine.check_request(req)
         chosen = compression.profile(req.profile)
-        _note_request(req)
+        _note_request(req, chosen.name)  # a known profile's name, never the caller's string
         t0 = time.perf_counter()
         keys = self.features.keys(req)
         entries = await self.features.lookup(keys)
@@ -162,12 +162,12 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
                 )
 
 
-def _note_request(req: InferRequest) -> None:
+def _note_request(req: InferRequest, profile: str) -> None:
     tracing.note(
         request_id=req.request_id,
         num_items=len(req.items),
         num_tiles=sum(num_tiles(i.tile_rows, i.tile_cols) for i in req.items),
-        profile=req.profile,
+        profile=profile,
     )
 
 
