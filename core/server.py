@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from core.auth import CoreTokenInterceptor
@@ -11,7 +12,7 @@ from core.engine import Engine
 from core.features import FeatureService
 from core.servicer import CoreServicer
 from core.vision_queue import VisionQueue
-from shared import logs, metrics, serving, tls
+from shared import logs, metrics, serving, tls, tracing
 from shared.proto import core_pb2, core_pb2_grpc
 
 SERVICE = core_pb2.DESCRIPTOR.services_by_name["Core"].full_name
@@ -29,6 +30,7 @@ def open_cache(cfg: CacheConfig) -> FeatureCache | None:
 
 async def run(cfg: CoreConfig, cache: CacheConfig, sched: SchedulerConfig, core_token: str) -> None:
     log = logs.get("core")
+    tracing.configure("visor-core")  # first: a bad OTEL_* variable stops us before the model loads
     tune_malloc()
     artifacts = Path(cfg.artifacts_dir).expanduser()
     engine = Engine(
@@ -39,7 +41,9 @@ async def run(cfg: CoreConfig, cache: CacheConfig, sched: SchedulerConfig, core_
     )
     store = open_cache(cache) if cache.enabled else None
     features = FeatureService(engine.info, queue, store)
-    server = serving.new_server([CoreTokenInterceptor(core_token, SERVICE)])
+    # The token check runs first: a caller without it is refused before any span is made.
+    interceptors = [CoreTokenInterceptor(core_token, SERVICE), *tracing.server_interceptors()]
+    server = serving.new_server(interceptors)
     core_pb2_grpc.add_CoreServicer_to_server(CoreServicer(engine, features), server)  # type: ignore[no-untyped-call]
     health = serving.add_health_and_reflection(server, [SERVICE])
     creds = tls.server_credentials(cfg.tls()) if cfg.tls().enabled else None
@@ -59,6 +63,7 @@ async def run(cfg: CoreConfig, cache: CacheConfig, sched: SchedulerConfig, core_
     async def close() -> None:
         await features.close()
         engine.close()
+        await asyncio.to_thread(tracing.shutdown)
         log.info("core_stopped")
 
     await serving.serve_until_signal(server, cfg.grace_s, close)

@@ -16,7 +16,7 @@ from core.engine import Engine, num_tiles
 from core.features import FeatureService
 from core.model.tokenizer import ChatTurn
 from core.types import Delta, InferRequest, ItemSpec, Result, SamplingParams
-from shared import logs
+from shared import logs, tracing
 from shared.errors import Reason, VisorError
 from shared.metrics import observe
 from shared.proto import core_pb2, core_pb2_grpc
@@ -86,24 +86,28 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[core_pb2.CoreEvent]:
         outcome = "error"
+        timings = tracing.Stages()
         try:
-            async for event in self._infer(request_iterator):
+            async for event in self._infer(request_iterator, timings):
                 yield event
             outcome = "ok"
         except VisorError as err:
             outcome = err.reason.value
             log.info("infer_refused", reason=err.reason.value)
+            tracing.refused(err.reason.value)
             await context.abort_with_status(to_status(err))
         except Exception as exc:  # never leak a traceback or message to the caller
             log.error("infer_failed", error_type=type(exc).__name__, where=logs.error_site(exc))
+            tracing.refused(Reason.INTERNAL.value)
             await context.abort_with_status(
                 to_status(VisorError(Reason.INTERNAL, "internal error in the core"))
             )
         finally:
             metrics.REQUESTS.labels(outcome=outcome).inc()
+            tracing.record_stages(timings)
 
     async def _infer(
-        self, messages: AsyncIterator[core_pb2.CoreMessage]
+        self, messages: AsyncIterator[core_pb2.CoreMessage], timings: tracing.Stages
     ) -> AsyncIterator[core_pb2.CoreEvent]:
         messages = aiter(messages)
         first = await anext(messages, None)
@@ -112,13 +116,14 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
         req = request_from_proto(first.header)
         self.engine.check_request(req)
         chosen = compression.profile(req.profile)
-        timings: dict[str, float] = {}
+        _note_request(req, chosen.name)  # a known profile's name, never the caller's string
         t0 = time.perf_counter()
         keys = self.features.keys(req)
         entries = await self.features.lookup(keys)
         if keys:
             timings["cache_lookup"] = (time.perf_counter() - t0) * 1000
         held = [e is not None for e in entries]
+        tracing.note(cache_hits=sum(held), cache_misses=len(held) - sum(held))
         yield core_pb2.CoreEvent(cache=core_pb2.CacheReply(held=held))
         pixels = await _receive_tensors(messages, req, held)
         if pixels:
@@ -145,6 +150,7 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
             else:
                 yield core_pb2.CoreEvent(final=_final(out, self.engine.info.core_id))
                 observe(metrics.STAGES, out.timings_ms)
+                _note_result(out)
                 log.info(
                     "infer_done",
                     request_id=req.request_id,
@@ -154,6 +160,25 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
                     visual_tokens_before=out.visual_tokens_before,
                     finish_reason=out.finish_reason,
                 )
+
+
+def _note_request(req: InferRequest, profile: str) -> None:
+    tracing.note(
+        request_id=req.request_id,
+        num_items=len(req.items),
+        num_tiles=sum(num_tiles(i.tile_rows, i.tile_cols) for i in req.items),
+        profile=profile,
+    )
+
+
+def _note_result(r: Result) -> None:
+    tracing.note(
+        text_tokens=r.text_tokens,
+        visual_tokens_before=r.visual_tokens_before,
+        visual_tokens_after=r.visual_tokens_after,
+        output_tokens=r.output_tokens,
+        finish_reason=r.finish_reason,
+    )
 
 
 def _compress_all(

@@ -21,6 +21,7 @@ from shared.proto import core_pb2, core_pb2_grpc
 from shared.sampling import TokenLogprob
 from shared.secret import CORE_TOKEN_METADATA
 from shared.status import from_rpc_error
+from shared.tracing import client_interceptors
 from shared.wire import chunks
 
 CHANNEL_OPTIONS = [
@@ -188,7 +189,8 @@ class CoreClient:
         when `address` is an IP resolved from a DNS name the certificate carries); `core_token`
         (from the deployment secret) authenticates this gateway to the core."""
         self.address = address
-        interceptors = [_UnaryToken(core_token), _StreamToken(core_token)]
+        # Tracing's interceptors (when on) come first, so a call's client span covers the rest.
+        interceptors = [*client_interceptors(), _UnaryToken(core_token), _StreamToken(core_token)]
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(
                 address, options=CHANNEL_OPTIONS, interceptors=interceptors

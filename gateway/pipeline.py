@@ -297,8 +297,11 @@ class Pipeline:
             jobs.append(self.pool.run("decode", args, job.media[m], job.budget))
         replies = await _all(jobs)
         if replies:
-            timings["image_decode"] = sum(float(r.body["decode_ms"]) for r in replies)
-            timings["preprocess"] = sum(float(r.body["preprocess_ms"]) for r in replies)
+            # One update: each worker decodes, then preprocesses (tracing lays them end to end).
+            timings.update(
+                image_decode=sum(float(r.body["decode_ms"]) for r in replies),
+                preprocess=sum(float(r.body["preprocess_ms"]) for r in replies),
+            )
         size = geo.image_size
         for m, r in zip(order, replies, strict=True):
             expected = (grids[m].num_tiles, 3, size, size)

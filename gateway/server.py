@@ -22,7 +22,7 @@ from gateway.quota import Quotas, UploadBytes
 from gateway.routing import Router, RouterSettings
 from gateway.sandbox import PROTECTIONS
 from gateway.servicer import SERVICE, GatewayServicer, Receiving, add_to_server
-from shared import logs, metrics, serving
+from shared import logs, metrics, serving, tracing
 from shared.config import ConfigError
 from shared.net import is_loopback
 
@@ -90,6 +90,7 @@ def pillow_build() -> dict[str, str]:
 def new_server(cfg: GatewayConfig) -> grpc.aio.Server:
     ms = 1000
     return grpc.aio.server(
+        interceptors=tracing.server_interceptors(),
         options=[
             ("grpc.max_receive_message_length", serving.MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", serving.MAX_MESSAGE_BYTES),
@@ -155,6 +156,7 @@ async def run(
             "[gateway] max_upload_bytes_in_flight must be >= [limits] max_request_bytes"
         )
     log.info("pillow", **pillow_build())
+    tracing.configure("visor-gateway")  # before the core channels and the server take interceptors
     pool = _start_pool(cfg, lim, log)
     router = Router(RouterSettings.from_config(cfg), partial(CoreClient, core_token=core_token))
     await router.start()
@@ -191,6 +193,7 @@ async def run(
     async def close() -> None:
         await router.close()
         await asyncio.to_thread(pool.close)
+        await asyncio.to_thread(tracing.shutdown)
         log.info("gateway_stopped")
 
     await serving.serve_until_signal(server, cfg.grace_s, close)

@@ -18,7 +18,7 @@ from gateway.config import LimitsConfig
 from gateway.pipeline import Pipeline
 from gateway.quota import Quotas, UploadBytes
 from gateway.types import Ask, Delta, Final, Params, Turn
-from shared import logs
+from shared import logs, tracing
 from shared.errors import Reason, VisorError
 from shared.metrics import observe
 from shared.proto import gateway_pb2, gateway_pb2_grpc
@@ -99,6 +99,21 @@ def _event(out: Delta | Final) -> gateway_pb2.GenerateEvent:
     )
 
 
+def _note_final(out: Final) -> None:
+    hits = sum(hit for _, hit in out.cache)
+    tracing.note(
+        num_items=len(out.cache),
+        cache_hits=hits,
+        cache_misses=len(out.cache) - hits,
+        text_tokens=out.text_tokens,
+        visual_tokens_before=out.visual_tokens_before,
+        visual_tokens_after=out.visual_tokens_after,
+        output_tokens=out.output_tokens,
+        finish_reason=out.finish_reason,
+        served_by=out.served_by,
+    )
+
+
 def _logprob(lp: TokenLogprob) -> gateway_pb2.TokenLogprob:
     top = [gateway_pb2.TopLogprob(token=t, logprob=v) for t, v in lp.top]
     return gateway_pb2.TokenLogprob(token=lp.token, logprob=lp.logprob, top=top)
@@ -156,11 +171,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         the client went away first (DEADLINE_EXCEEDED when its deadline had passed)."""
         request_id = uuid.uuid4().hex
         outcome = "cancelled"
+        timings = tracing.Stages()
+        tracing.note(request_id=request_id)
         # A client that sends no deadline gets the default one, so nothing waits forever.
         remaining = context.time_remaining()
         timeout = self.receiving.default_deadline_s if remaining is None else remaining
         try:
-            async for event in self._answer(context, started, receive, request_id, timeout):
+            answer = self._answer(context, started, receive, request_id, timeout, timings)
+            async for event in answer:
                 if event.HasField("final"):
                     outcome = "ok"
                 yield event
@@ -183,6 +201,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if outcome == "cancelled" and time.perf_counter() >= started + timeout:
                 outcome = Reason.DEADLINE_EXCEEDED.value
             metrics.REQUESTS.labels(outcome=outcome).inc()
+            if outcome not in ("ok", "cancelled"):
+                tracing.refused(outcome)
+            tracing.record_stages(timings)
 
     async def _answer(
         self,
@@ -191,16 +212,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         receive: Callable[[float], Awaitable[Ask]],
         request_id: str,
         timeout: float,
+        timings: tracing.Stages,
     ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
         # Authenticate and admit before the body: an open upload holds its slots while it waits.
         tenant = self.auth.tenant(context.invocation_metadata() or ())
         with self.quotas.admit(tenant):
             ask = await receive(started + timeout)
-            timings = {"receive": (time.perf_counter() - started) * 1000}
+            timings["receive"] = (time.perf_counter() - started) * 1000
             events = self.pipeline.generate(tenant, request_id, ask, started, timings, timeout)
             async for out in events:
                 if isinstance(out, Final):
                     observe(metrics.STAGES, out.timings_ms)
+                    _note_final(out)
                     log.info(
                         "request_done",
                         request_id=request_id,
