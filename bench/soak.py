@@ -252,11 +252,23 @@ async def _warm(soak: Soak) -> None:
     )
 
 
-async def _noisy(soak: Soak, stop_at: float, stream: int) -> None:
+@dataclass(frozen=True, slots=True)
+class NoisyMedia:
+    """Built before any phase starts, so no client stalls while it is made."""
+
+    hostile: list[bytes]  # files to refuse or survive
+    good: bytes  # a small valid image
+    big: list[bytes]  # large valid files (one over max_item_bytes)
+
+    @staticmethod
+    def build() -> NoisyMedia:
+        good = (SAMPLES / "colour.png").read_bytes()
+        return NoisyMedia(hostile_media(), good, [_png(3000, 2000, 0), _apng(512, 48)])
+
+
+async def _noisy(soak: Soak, stop_at: float, stream: int, media: NoisyMedia) -> None:
     rng = random.Random(soak.settings.seed * 1000 + stream)
-    hostile = hostile_media()
-    good = (SAMPLES / "colour.png").read_bytes()
-    big = [_png(3000, 2000, stream), _apng(512, 48)]
+    hostile, good, big = media.hostile, media.good, media.big
     async with grpc.aio.insecure_channel(soak.gateway) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)  # type: ignore[no-untyped-call]
         while time.monotonic() < stop_at:
@@ -416,13 +428,14 @@ async def run(soak: Soak) -> dict[str, Any]:
     s = soak.settings
     t0 = time.monotonic()
     sampling = asyncio.Event()
+    media = await asyncio.to_thread(NoisyMedia.build)
     sampler = asyncio.create_task(_sample_usage(soak, sampling, t0))
     await _warm(soak)
     await _quiet(soak, time.monotonic() + s.seconds_alone, "alone")
     baseline = _snapshot(soak)
     noise_start = time.monotonic()
     end = noise_start + s.seconds_noisy
-    noisy = [asyncio.create_task(_noisy(soak, end, i)) for i in range(s.noisy_streams)]
+    noisy = [asyncio.create_task(_noisy(soak, end, i, media)) for i in range(s.noisy_streams)]
     faults = asyncio.create_task(_faults(soak, noise_start))
     await _quiet(soak, end, "beside-noise")
     await asyncio.gather(faults, *noisy)
