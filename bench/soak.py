@@ -43,6 +43,8 @@ from shared.status import from_rpc_error
 QUIET_KEY, NOISY_KEY = "soak-quiet-key", "soak-noisy-key"
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "models" / "samples"
+# Details of refusals that came without ErrorInfo (each one a defect to explain).
+WITHOUT_ERROR_INFO: list[str] = []
 CORPUS = Path(os.environ.get("VISOR_TEST_CORPUS", ROOT.parent / "shared" / "corpus"))
 
 
@@ -220,6 +222,7 @@ def _reason(exc: grpc.RpcError) -> str:
         return "CANCELLED"
     status = rpc_status.from_call(exc)  # type: ignore[arg-type]
     if status is None or not status.details:
+        WITHOUT_ERROR_INFO.append(f"{exc.code().name}: {(exc.details() or '')[:120]}")
         return f"grpc:{exc.code().name}"
     return from_rpc_error(exc).reason.value
 
@@ -531,6 +534,7 @@ def report(
             "excused_in_flight_on_killed_core": excused,
         },
         "past_deadline_plus_1s": late,
+        "without_error_info": WITHOUT_ERROR_INFO[:10],
         "faults": [{k: v for k, v in f.items() if k != "at"} for f in soak.faults],
         "resources": {"baseline": baseline, "final": final, "returned": returned},
         "usage_over_time": soak.usage[:: max(1, len(soak.usage) // 30)],
