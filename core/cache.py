@@ -156,13 +156,20 @@ class FeatureCache:
     def db_key(key: FeatureKey) -> bytes:
         return tenant_prefix(key.tenant) + hashlib.sha256(key.encode()).digest()
 
-    def get(self, key: FeatureKey) -> Entry | None:
+    def ttl_for(self, ttl_s: float) -> float:
+        """A tenant's TTL (0 = none of its own) never outlives the cache's."""
+        return min(ttl_s, self.ttl_s) if ttl_s > 0 else self.ttl_s
+
+    def get(self, key: FeatureKey, ttl_s: float = 0.0) -> Entry | None:
+        """The entry, unless missing, damaged, or older than `ttl_for(ttl_s)`: a tenant whose
+        TTL was shortened after its entries were written misses them from then on."""
         if not self.enabled_for(key.tenant):
             return None
         k = self.db_key(key)
         with self.env.begin(db=self._entries) as txn:
             value = txn.get(k)
-        entry = None if value is None else self._decode(k, key.tenant, value)
+        max_age = self.ttl_for(ttl_s)
+        entry = None if value is None else self._decode(k, key.tenant, value, max_age)
         if entry is None:
             self._misses += 1
             if value is not None:
@@ -175,12 +182,13 @@ class FeatureCache:
             self.flush()
         return entry
 
-    def put(self, key: FeatureKey, entry: Entry) -> bool:
-        """Stores an entry; False when it is not cached (tenant opted out, or too big)."""
+    def put(self, key: FeatureKey, entry: Entry, ttl_s: float = 0.0) -> bool:
+        """Stores an entry that expires after `ttl_for(ttl_s)`; False when it is not cached
+        (tenant opted out, or too big)."""
         if not self.enabled_for(key.tenant):
             return False
         k = self.db_key(key)
-        value = self._encode(k, key.tenant, entry)
+        value = self._encode(k, key.tenant, entry, self.ttl_for(ttl_s))
         size = len(k) + len(value)
         if size > self.tenant_max_bytes or size > self.max_bytes // 4:
             return False
@@ -319,14 +327,14 @@ class FeatureCache:
         derived = HKDF(hashes.SHA256(), 32, salt=None, info=info).derive(self._master)
         return AESGCM(derived)
 
-    def _encode(self, k: bytes, tenant: str, entry: Entry) -> bytes:
+    def _encode(self, k: bytes, tenant: str, entry: Entry, ttl_s: float) -> bytes:
         feats = np.ascontiguousarray(entry.features)
         scores = np.ascontiguousarray(entry.importance, dtype=np.float32)
         n, hidden = feats.shape
         now = self._clock()
         flags = _ENCRYPTED if self._master else 0
         header = _HEADER.pack(
-            MAGIC, VERSION, _DTYPE_CODES[feats.dtype], flags, now, now + self.ttl_s, n, hidden
+            MAGIC, VERSION, _DTYPE_CODES[feats.dtype], flags, now, now + ttl_s, n, hidden
         )
         payload = feats.tobytes() + scores.tobytes()
         if self._master:
@@ -335,12 +343,15 @@ class FeatureCache:
             return header + nonce + sealed
         return bytes(header + payload + xxhash.xxh3_64_digest(k + header + payload))
 
-    def _decode(self, k: bytes, tenant: str, value: bytes) -> Entry | None:
+    def _decode(self, k: bytes, tenant: str, value: bytes, max_age: float) -> Entry | None:
         if len(value) < _HEADER.size:
             return None
-        magic, version, dtype_code, flags, _, expires, n, hidden = _HEADER.unpack_from(value)
+        magic, version, dtype_code, flags, created, expires, n, hidden = _HEADER.unpack_from(value)
         dtype = _DTYPES.get(dtype_code)
-        if magic != MAGIC or version != VERSION or dtype is None or expires < self._clock():
+        now = self._clock()
+        if magic != MAGIC or version != VERSION or dtype is None:
+            return None
+        if expires < now or created + max_age < now:
             return None
         header, body = value[: _HEADER.size], memoryview(value)[_HEADER.size :]
         payload: bytes | memoryview

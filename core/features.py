@@ -10,7 +10,7 @@ import numpy as np
 
 from core import metrics
 from core.cache import Entry, FeatureCache
-from core.types import CoreInfo, InferRequest
+from core.types import CachePolicy, CoreInfo, InferRequest
 from core.vision_queue import VisionQueue
 from shared.hashing import FeatureKey
 
@@ -37,12 +37,13 @@ class FeatureService:
             for item in req.items
         ]
 
-    async def lookup(self, keys: list[FeatureKey]) -> list[Entry | None]:
+    async def lookup(self, keys: list[FeatureKey], policy: CachePolicy) -> list[Entry | None]:
         cache = self.cache
-        if cache is None or not keys:
+        if cache is None or not keys or policy.no_cache:
             return [None] * len(keys)
         loop = asyncio.get_running_loop()
-        found = await loop.run_in_executor(self._io, lambda: [cache.get(k) for k in keys])
+        ttl_s = policy.ttl_s
+        found = await loop.run_in_executor(self._io, lambda: [cache.get(k, ttl_s) for k in keys])
         for entry in found:
             metrics.CACHE_LOOKUPS.labels(result="hit" if entry else "miss").inc()
         return found
@@ -51,12 +52,13 @@ class FeatureService:
         feats, scores = await self.queue.encode(pixels)
         return Entry(feats.reshape(-1, feats.shape[-1]), scores.reshape(-1))
 
-    def store(self, key: FeatureKey, entry: Entry) -> None:
+    def store(self, key: FeatureKey, entry: Entry, policy: CachePolicy) -> None:
         """Writes in the background: a request never waits for its features to be stored."""
         cache = self.cache
-        if cache is None or not cache.enabled_for(key.tenant):
+        if cache is None or policy.no_cache or not cache.enabled_for(key.tenant):
             return
-        future = asyncio.get_running_loop().run_in_executor(self._io, cache.put, key, entry)
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._io, cache.put, key, entry, policy.ttl_s)
         self._writes.add(future)
         future.add_done_callback(self._writes.discard)
 

@@ -15,7 +15,7 @@ from core.cache import Entry
 from core.engine import Engine, num_tiles
 from core.features import FeatureService
 from core.model.tokenizer import ChatTurn
-from core.types import Delta, InferRequest, ItemSpec, Result, SamplingParams
+from core.types import CachePolicy, Delta, InferRequest, ItemSpec, Result, SamplingParams
 from shared import logs, tracing
 from shared.errors import Reason, VisorError
 from shared.metrics import observe
@@ -57,6 +57,7 @@ def request_from_proto(h: core_pb2.InferHeader) -> InferRequest:
             for i in h.items
         ),
         profile=h.profile,
+        cache=CachePolicy(max(0.0, h.cache_ttl_s), h.no_cache),
     )
 
 
@@ -119,7 +120,7 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
         _note_request(req, chosen.name)  # a known profile's name, never the caller's string
         t0 = time.perf_counter()
         keys = self.features.keys(req)
-        entries = await self.features.lookup(keys)
+        entries = await self.features.lookup(keys, req.cache)
         if keys:
             timings["cache_lookup"] = (time.perf_counter() - t0) * 1000
         held = [e is not None for e in entries]
@@ -133,7 +134,7 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
             timings["encode"] = (time.perf_counter() - t0) * 1000
             for i, entry in zip(missing, encoded, strict=True):
                 entries[i] = entry
-                self.features.store(keys[i], entry)
+                self.features.store(keys[i], entry, req.cache)
         full = [e for e in entries if e is not None]
         features = [e.features for e in full]
         if chosen.steps and full:

@@ -34,6 +34,14 @@ class ItemSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class CachePolicy:
+    """The tenant's feature-cache policy, as its gateway states it."""
+
+    ttl_s: float = 0.0  # entries live min(this, [cache] ttl_s); 0 = [cache] ttl_s alone
+    no_cache: bool = False  # neither look up nor store this request's features
+
+
+@dataclass(frozen=True, slots=True)
 class InferRequest:
     tenant: str  # authenticated tenant
     request_id: str  # for logs and default seeds
@@ -41,6 +49,7 @@ class InferRequest:
     params: SamplingParams  # generation controls
     items: tuple[ItemSpec, ...]  # media items in order of appearance
     profile: str  # compression profile
+    cache: CachePolicy = CachePolicy()  # the tenant's feature-cache policy
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,15 +1,13 @@
-"""The gateway's configuration sections: `[gateway]`, `[limits]` and `[[tenants]]`."""
+"""The gateway's `[gateway]` and `[limits]` sections (`[[tenants]]`: gateway.tenants)."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from shared.config import ConfigError
 from shared.net import is_loopback, split_host_port
 from shared.tls import TlsFiles
+from shared.wire import PROFILES
 
 MIB = 1024 * 1024
 SANDBOX_MODES = ("strict", "best-effort")
@@ -57,6 +55,8 @@ class GatewayConfig:
         self._validate_cores()
         if self.decode_workers < 1 or self.worker_max_jobs < 1 or self.decode_timeout_s <= 0:
             raise ConfigError("[gateway] decode_workers, worker_max_jobs, decode_timeout_s > 0")
+        if self.default_profile not in PROFILES:
+            raise ConfigError(f"[gateway] default_profile must be one of {', '.join(PROFILES)}")
         if self.sandbox not in SANDBOX_MODES:
             raise ConfigError(f"[gateway] sandbox must be one of {', '.join(SANDBOX_MODES)}")
         positive = (
@@ -134,32 +134,3 @@ class LimitsConfig:
             raise ConfigError("[limits] default_new_tokens must not exceed max_new_tokens")
         if self.max_item_bytes > self.max_request_bytes:
             raise ConfigError("[limits] max_item_bytes must not exceed max_request_bytes")
-
-
-@dataclass(frozen=True, slots=True)
-class Tenant:
-    id: str  # tenant id (logged only hashed)
-    key_sha256: str  # hex SHA-256 of the tenant's API key
-
-    def validate(self) -> None:
-        if not self.id:
-            raise ConfigError("[[tenants]] id must not be empty")
-        if not re.fullmatch(r"[0-9a-f]{64}", self.key_sha256):
-            raise ConfigError("[[tenants]] key_sha256 must be 64 lowercase hex digits")
-
-
-def tenants_from(data: Mapping[str, Any]) -> tuple[Tenant, ...]:
-    rows = data.get("tenants", [])
-    if not isinstance(rows, list):
-        raise ConfigError("tenants must be an array of tables ([[tenants]])")
-    out = []
-    for row in rows:
-        unknown = sorted(set(row) - {"id", "key_sha256"})
-        if unknown:
-            raise ConfigError(f"unknown key(s) in [[tenants]]: {unknown}; known: id, key_sha256")
-        tenant = Tenant(str(row.get("id", "")), str(row.get("key_sha256", "")).lower())
-        tenant.validate()
-        out.append(tenant)
-    if len({t.key_sha256 for t in out}) != len(out):
-        raise ConfigError("two [[tenants]] share one key")
-    return tuple(out)

@@ -67,6 +67,8 @@ class CoreRequest:
     # Core items each turn shows (an animation counts once per sampled frame); empty = one per
     # media item, as before frames were sampled.
     num_images: tuple[int, ...] = ()
+    cache_ttl_s: float = 0.0  # the tenant's feature-cache TTL; 0 = the core's own
+    no_cache: bool = False  # the tenant's features are neither looked up nor stored
 
 
 def _header(req: CoreRequest) -> core_pb2.InferHeader:
@@ -75,6 +77,8 @@ def _header(req: CoreRequest) -> core_pb2.InferHeader:
         tenant=req.tenant,
         request_id=req.request_id,
         profile=req.profile,
+        cache_ttl_s=req.cache_ttl_s,
+        no_cache=req.no_cache,
         params=core_pb2.CoreGenerationParams(
             max_new_tokens=p.max_new_tokens,
             min_new_tokens=p.min_new_tokens,

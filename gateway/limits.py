@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from gateway.config import LimitsConfig
+from gateway.tenants import TenantPolicy
 from gateway.types import Ask
 from shared.errors import Reason, VisorError
 from shared.sampling import check_logprobs, check_sampling, check_stop
@@ -60,3 +61,16 @@ def check_request(limits: LimitsConfig, ask: Ask) -> int:
     check_stop(p.stop, limits.max_stop_strings, limits.max_stop_bytes)
     check_logprobs(p.logprobs, p.top_logprobs)
     return wanted
+
+
+def check_profile(policy: TenantPolicy, requested: str) -> str:
+    """The compression profile a request runs with: its own (known to check_request), else the
+    tenant's default; one outside the tenant's policy is refused."""
+    chosen = requested or policy.default_profile
+    if chosen not in policy.profiles:
+        raise VisorError(
+            Reason.INVALID_REQUEST,
+            "the compression profile is not allowed by the tenant's policy; allowed: "
+            + ", ".join(policy.profiles),
+        )
+    return chosen

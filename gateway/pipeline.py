@@ -12,12 +12,11 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from gateway import decode, limits, metrics, routing, tiling, video
-from gateway.config import LimitsConfig
 from gateway.core_client import (
     CoreClient,
     CoreFinal,
@@ -29,6 +28,7 @@ from gateway.core_client import (
 from gateway.pool import Budget, DecodePool
 from gateway.probes import ProbeCache
 from gateway.sniff import VIDEO, sniff
+from gateway.tenants import Tenant
 from gateway.types import Ask, Delta, Final
 from shared.errors import Reason, VisorError
 from shared.hashing import content_hash
@@ -65,10 +65,11 @@ class Plan:
 class _Job:
     """What every attempt of one request shares (one attempt per core tried)."""
 
-    tenant: str  # authenticated tenant
+    tenant: Tenant  # authenticated tenant, with the limits and policy it started with
     request_id: str  # request id
     ask: Ask  # the request
     max_new: int  # max_new_tokens after limits
+    profile: str  # compression profile after the tenant's policy
     media: list[bytes]  # every media item, in order
     formats: list[str]  # sniffed format per item
     hashes: list[str]  # content hash per item
@@ -76,9 +77,18 @@ class _Job:
     timeout: float | None  # seconds from `started`
     plans: dict[int, list[Plan]] = field(default_factory=dict)  # by the core's tile side
     budget: Budget = field(init=False)  # the request's share of the decode pool
+    video_limits: dict[str, Any] = field(init=False)  # the tenant's, for the decode workers
 
     def __post_init__(self) -> None:
-        self.budget = Budget(self.tenant, self.deadline)
+        self.budget = Budget(self.tenant.id, self.deadline)
+        lim = self.tenant.limits
+        self.video_limits = video.VideoLimits(
+            lim.max_video_duration_s,
+            lim.max_video_streams,
+            lim.max_video_frames,
+            lim.video_sample_fps,
+            lim.max_sampled_frames,
+        ).to_json()
 
     @property
     def deadline(self) -> float | None:
@@ -93,30 +103,19 @@ class _Job:
 class Pipeline:
     def __init__(
         self,
-        limits_cfg: LimitsConfig,
         pool: DecodePool,
         router: routing.Router,
-        default_profile: str,
         core_attempt_timeout_s: float = 5.0,
         video_enabled: bool = True,
     ) -> None:
-        self.limits, self.pool, self.router = limits_cfg, pool, router
-        self.default_profile = default_profile
+        self.pool, self.router = pool, router
         self.attempt_timeout_s = core_attempt_timeout_s
         self.video_enabled = video_enabled
         self.probes = ProbeCache()
-        lim = limits_cfg
-        self.video_limits = video.VideoLimits(
-            lim.max_video_duration_s,
-            lim.max_video_streams,
-            lim.max_video_frames,
-            lim.video_sample_fps,
-            lim.max_sampled_frames,
-        ).to_json()
 
     async def generate(
         self,
-        tenant: str,
+        tenant: Tenant,
         request_id: str,
         ask: Ask,
         started: float,
@@ -124,19 +123,22 @@ class Pipeline:
         timeout: float | None,
     ) -> AsyncIterator[Delta | Final]:
         """`started` is when the request arrived (perf_counter); `timings` holds `receive`.
-        The caller has admitted the request (gateway.quota) before receiving it."""
-        max_new = limits.check_request(self.limits, ask)
+        The caller has admitted the request (gateway.quota) before receiving it; `tenant` holds
+        the limits and policy the request runs under, whatever a reload does meanwhile."""
+        max_new = limits.check_request(tenant.limits, ask)
+        profile = limits.check_profile(tenant.policy, ask.profile)
         async for event in self._generate(
-            tenant, request_id, ask, max_new, started, timings, timeout
+            tenant, request_id, ask, max_new, profile, started, timings, timeout
         ):
             yield event
 
     async def _generate(
         self,
-        tenant: str,
+        tenant: Tenant,
         request_id: str,
         ask: Ask,
         max_new: int,
+        profile: str,
         started: float,
         timings: dict[str, float],
         timeout: float | None,
@@ -147,8 +149,10 @@ class Pipeline:
         hashes = [content_hash(m) for m in media]
         if media:
             timings["sniff"] = _ms(t0)
-        job = _Job(tenant, request_id, ask, max_new, media, formats, hashes, started, timeout)
-        key = routing.route_key(tenant, hashes[0] if hashes else None, request_id)
+        job = _Job(
+            tenant, request_id, ask, max_new, profile, media, formats, hashes, started, timeout
+        )
+        key = routing.route_key(tenant.id, hashes[0] if hashes else None, request_id)
         failure: VisorError = CoreUnreachable("no core configured")
         # With every core marked down, all attempts share one attempt's time: a hung core (or
         # several) answers the caller within about core_attempt_timeout_s, not its deadline.
@@ -208,15 +212,17 @@ class Pipeline:
         def on_transfer(ms: float) -> None:
             timings["transfer"] = ms
 
-        ask = job.ask
+        ask, policy = job.ask, job.tenant.policy
         req = CoreRequest(
-            job.tenant,
+            job.tenant.id,
             job.request_id,
             ask.turns,
             replace(ask.params, max_new_tokens=job.max_new),
             headers,
-            ask.profile or self.default_profile,
+            job.profile,
             _images_per_turn(ask, plans),
+            policy.cache_ttl_s,
+            policy.no_cache,
         )
         first = True
         handshake_s = self._attempt_s(job, attempts_by)
@@ -231,7 +237,7 @@ class Pipeline:
                 yield _final(event, item_hashes, set(missed), timings, job.started, first)
 
     async def _plan(self, job: _Job, geo: Geometry, timings: dict[str, float]) -> list[Plan]:
-        lim = self.limits
+        lim = job.tenant.limits
         plans = []
         for index, probe in enumerate(await self._probe(job, timings)):
             w, h = probe.width, probe.height
@@ -247,11 +253,11 @@ class Pipeline:
         """Each item's probe: from the probe cache when these bytes were probed under these
         limits before (no worker job, no `probe` stage), else from one probe job per item."""
         t0 = time.perf_counter()
-        lim = self.limits
+        lim = job.tenant.limits
         limits = {"max_pixels": lim.max_pixels, "max_side": lim.max_side}
         limits.update(max_frames=lim.max_frames)
-        args = [{**limits, "fmt": f, "video": self.video_limits} for f in job.formats]
-        keys = [self.probes.key(job.tenant, h, a) for h, a in zip(job.hashes, args, strict=True)]
+        args = [{**limits, "fmt": f, "video": job.video_limits} for f in job.formats]
+        keys = [self.probes.key(job.tenant.id, h, a) for h, a in zip(job.hashes, args, strict=True)]
         found = {k: p for k in keys if (p := self.probes.get(k)) is not None}
         todo = {k: (m, a) for k, m, a in zip(keys, job.media, args, strict=True) if k not in found}
         if todo:
@@ -279,7 +285,7 @@ class Pipeline:
             plan, frame = items[i]
             wanted.setdefault(plan.media, []).append(frame)
         grids = {p.media: p.grid for p, _ in items}
-        lim = self.limits
+        lim = job.tenant.limits
         order = list(wanted)
         jobs = []
         for m in order:
@@ -293,7 +299,7 @@ class Pipeline:
                 lim.max_pixels,
                 lim.max_side,
             )
-            args = {**spec.to_json(), "video": self.video_limits}
+            args = {**spec.to_json(), "video": job.video_limits}
             jobs.append(self.pool.run("decode", args, job.media[m], job.budget))
         replies = await _all(jobs)
         if replies:

@@ -25,49 +25,50 @@ class _Bucket:
 
 @dataclass(slots=True)
 class Quotas:
-    """`max_concurrent` 0 = no cap; `rate_per_s` 0 = no rate limit; `burst` defaults to the rate;
-    `max_in_flight` 0 = no gateway-wide cap. State lives in one event loop, so plain counters are
-    enough (no locks)."""
+    """Counters that outlive any one tenant table: buckets are keyed by tenant id, and each
+    admission brings the caps in force for it (a reload applies new caps to new admissions; a
+    request already admitted keeps its slot). `max_in_flight` 0 = no gateway-wide cap. State
+    lives in one event loop, so plain counters are enough (no locks)."""
 
-    max_concurrent: int  # requests in flight per tenant
-    rate_per_s: float  # sustained requests per second per tenant
-    burst: int  # bucket size
     max_in_flight: int = 0  # requests in flight, all tenants together
     num_in_flight: int = 0  # requests admitted and not finished, all tenants
     _buckets: dict[str, _Bucket] = field(default_factory=dict)
 
-    def _bucket(self, tenant: str) -> _Bucket:
-        capacity = float(self.burst or max(1.0, self.rate_per_s))
+    def _bucket(self, tenant: str, rate_per_s: float, capacity: float) -> _Bucket:
         bucket = self._buckets.get(tenant)
         now = time.monotonic()
         if bucket is None:
             bucket = self._buckets[tenant] = _Bucket(capacity, now)
-        elif self.rate_per_s > 0:
-            bucket.tokens = min(capacity, bucket.tokens + (now - bucket.stamp) * self.rate_per_s)
+        elif rate_per_s > 0:
+            bucket.tokens = min(capacity, bucket.tokens + (now - bucket.stamp) * rate_per_s)
             bucket.stamp = now
         return bucket
 
     @contextmanager
-    def admit(self, tenant: str) -> Iterator[None]:
-        """Holds one slot of the gateway's and one of `tenant`'s until the block ends."""
+    def admit(
+        self, tenant: str, max_concurrent: int, rate_per_s: float, burst: int
+    ) -> Iterator[None]:
+        """Holds one slot of the gateway's and one of `tenant`'s until the block ends.
+        `max_concurrent` 0 = no cap; `rate_per_s` 0 = no rate limit; `burst` 0 = the rate."""
         if self.max_in_flight and self.num_in_flight >= self.max_in_flight:
             raise VisorError(
                 Reason.OVERLOADED,
                 f"the gateway has max_requests_in_flight ({self.max_in_flight}) requests running; "
                 "retry later",
             )
-        bucket = self._bucket(tenant)
-        if self.max_concurrent and bucket.in_flight >= self.max_concurrent:
+        bucket = self._bucket(tenant, rate_per_s, float(burst or max(1.0, rate_per_s)))
+        if max_concurrent and bucket.in_flight >= max_concurrent:
             raise VisorError(
                 Reason.QUOTA_EXCEEDED,
-                f"the tenant has max_concurrent_per_tenant ({self.max_concurrent}) requests "
-                "running",
+                f"the tenant has {max_concurrent} requests running, its cap "
+                "(max_concurrent_per_tenant, or its [tenants.policy] max_concurrent)",
             )
-        if self.rate_per_s > 0:
+        if rate_per_s > 0:
             if bucket.tokens < 1.0:
                 raise VisorError(
                     Reason.QUOTA_EXCEEDED,
-                    f"the tenant exceeds rate_per_tenant ({self.rate_per_s:g} requests/s)",
+                    f"the tenant exceeds its rate of {rate_per_s:g} requests/s "
+                    "(rate_per_tenant, or its [tenants.policy] rate_per_s)",
                 )
             bucket.tokens -= 1.0
         bucket.in_flight += 1

@@ -7,14 +7,15 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import signal
+from collections.abc import Callable
 from functools import partial
 from importlib import metadata
 
 import grpc
 from grpc_health.v1 import health_pb2
 
-from gateway.auth import Authenticator
-from gateway.config import MIB, GatewayConfig, LimitsConfig, Tenant
+from gateway.config import MIB, GatewayConfig, LimitsConfig
 from gateway.core_client import CoreClient
 from gateway.pipeline import Pipeline
 from gateway.pool import DecodePool, PoolSettings
@@ -22,9 +23,9 @@ from gateway.quota import Quotas, UploadBytes
 from gateway.routing import Router, RouterSettings
 from gateway.sandbox import PROTECTIONS
 from gateway.servicer import SERVICE, GatewayServicer, Receiving, add_to_server
+from gateway.tenants import ConfigFile, LiveTenants, TenantConfigError, reread, tenants_from
 from shared import logs, metrics, serving, tracing
 from shared.config import ConfigError
-from shared.net import is_loopback
 
 # Health service that is SERVING only while every sandbox protection is active on this host, so
 # a probe (or `grpc_health_probe -service visor.sandbox`) can see a weakened deployment.
@@ -141,15 +142,44 @@ def _start_pool(cfg: GatewayConfig, lim: LimitsConfig, log: object) -> DecodePoo
     return pool
 
 
-async def run(
-    cfg: GatewayConfig, lim: LimitsConfig, tenants: tuple[Tenant, ...], core_token: str
-) -> None:
+def reloader(
+    config: ConfigFile, cfg: GatewayConfig, lim: LimitsConfig, live: LiveTenants
+) -> Callable[[], None]:
+    """The SIGHUP handler: the file's tenants again, swapped in whole, or (a bad file) one log
+    line and the table in force kept. Messages name keys and entries; tenant ids go hashed."""
+    log = logs.get("gateway.tenants")
+
+    def reload() -> None:
+        if config.path is None:
+            log.warning(
+                "tenants_reload_skipped", config_error="started without --config: nothing to read"
+            )
+            return
+        try:
+            table, changed = reread(config, cfg, lim)
+        except TenantConfigError as exc:
+            log.warning("tenants_reload_failed", config_error=exc.loggable(), tenant=exc.tenant)
+            return
+        except ConfigError as exc:
+            log.warning("tenants_reload_failed", config_error=str(exc))
+            return
+        except OSError as exc:
+            log.warning("tenants_reload_failed", error_type=type(exc).__name__)
+            return
+        live.table = table
+        log.info("tenants_reloaded", num_tenants=len(table.tenants))
+        if changed:
+            log.warning("restart_needed", sections=changed)
+
+    return reload
+
+
+async def run(cfg: GatewayConfig, lim: LimitsConfig, config: ConfigFile, core_token: str) -> None:
     log = logs.get("gateway")
     return_big_buffers()
-    try:
-        auth = Authenticator.for_listen(tenants, is_loopback(cfg.listen))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    live = LiveTenants(tenants_from(config.data, cfg, lim))
+    # Before any socket: from the first health check on, SIGHUP reloads instead of killing.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader(config, cfg, lim, live))
     if cfg.max_upload_bytes_in_flight < lim.max_request_bytes:
         # Otherwise one request within its limits could never be uploaded, even alone.
         raise ConfigError(
@@ -160,19 +190,12 @@ async def run(
     pool = _start_pool(cfg, lim, log)
     router = Router(RouterSettings.from_config(cfg), partial(CoreClient, core_token=core_token))
     await router.start()
-    quotas = Quotas(
-        cfg.max_concurrent_per_tenant,
-        cfg.rate_per_tenant,
-        cfg.burst_per_tenant,
-        cfg.max_requests_in_flight,
-    )
+    quotas = Quotas(cfg.max_requests_in_flight)
     uploads = UploadBytes(cfg.max_upload_bytes_in_flight)
     receiving = Receiving(cfg.default_deadline_s, cfg.upload_idle_timeout_s)
     server = new_server(cfg)
-    pipeline = Pipeline(
-        lim, pool, router, cfg.default_profile, cfg.core_attempt_timeout_s, cfg.video
-    )
-    add_to_server(GatewayServicer(auth, pipeline, lim, quotas, uploads, receiving), server)
+    pipeline = Pipeline(pool, router, cfg.core_attempt_timeout_s, cfg.video)
+    add_to_server(GatewayServicer(live, pipeline, quotas, uploads, receiving), server)
     health = serving.add_health_and_reflection(server, [SERVICE])
     serving.bind(server, cfg.listen)
     metrics.serve(cfg.metrics_listen)
@@ -188,6 +211,7 @@ async def run(
         num_cores=len(router.healthy()),
         workers=cfg.decode_workers,
         mtls=cfg.core_tls().enabled,
+        num_tenants=len(live.table.tenants),
     )
 
     async def close() -> None:

@@ -13,10 +13,11 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from gateway import limits, metrics
-from gateway.auth import Authenticator
+from gateway.auth import authenticate
 from gateway.config import LimitsConfig
 from gateway.pipeline import Pipeline
 from gateway.quota import Quotas, UploadBytes
+from gateway.tenants import LiveTenants
 from gateway.types import Ask, Delta, Final, Params, Turn
 from shared import logs, tracing
 from shared.errors import Reason, VisorError
@@ -130,21 +131,20 @@ class Receiving:
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(
         self,
-        auth: Authenticator,
+        tenants: LiveTenants,
         pipeline: Pipeline,
-        limits_cfg: LimitsConfig,
         quotas: Quotas,
         uploads: UploadBytes,
         receiving: Receiving,
     ) -> None:
-        self.auth, self.pipeline, self.limits = auth, pipeline, limits_cfg
+        self.tenants, self.pipeline = tenants, pipeline
         self.quotas, self.uploads, self.receiving = quotas, uploads, receiving
 
     async def Generate(
         self, request: gateway_pb2.GenerateRequest | Malformed, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
         started = time.perf_counter()
-        async for event in self._serve(context, started, lambda _deadline: _unary(request)):
+        async for event in self._serve(context, started, lambda _deadline, _lim: _unary(request)):
             yield event
 
     async def GenerateUpload(
@@ -154,8 +154,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
         started = time.perf_counter()
 
-        def receive(deadline: float) -> Awaitable[Ask]:
-            return self._upload(request_iterator, deadline)
+        def receive(deadline: float, lim: LimitsConfig) -> Awaitable[Ask]:
+            return self._upload(request_iterator, deadline, lim)
 
         async for event in self._serve(context, started, receive):
             yield event
@@ -164,7 +164,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self,
         context: grpc.aio.ServicerContext,
         started: float,
-        receive: Callable[[float], Awaitable[Ask]],
+        receive: Callable[[float, LimitsConfig], Awaitable[Ask]],
     ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
         """Answers one call and counts its outcome once: "ok" when the final event was handed to
         gRPC (a client may close right after it), the reason of a refusal, or "cancelled" when
@@ -209,15 +209,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self,
         context: grpc.aio.ServicerContext,
         started: float,
-        receive: Callable[[float], Awaitable[Ask]],
+        receive: Callable[[float, LimitsConfig], Awaitable[Ask]],
         request_id: str,
         timeout: float,
         timings: tracing.Stages,
     ) -> AsyncIterator[gateway_pb2.GenerateEvent]:
         # Authenticate and admit before the body: an open upload holds its slots while it waits.
-        tenant = self.auth.tenant(context.invocation_metadata() or ())
-        with self.quotas.admit(tenant):
-            ask = await receive(started + timeout)
+        # The table is read once: a reload meanwhile does not change this request's tenant.
+        tenant = authenticate(self.tenants.table, context.invocation_metadata() or ())
+        policy = tenant.policy
+        admit = self.quotas.admit
+        with admit(tenant.id, policy.max_concurrent, policy.rate_per_s, policy.burst):
+            ask = await receive(started + timeout, tenant.limits)
             timings["receive"] = (time.perf_counter() - started) * 1000
             events = self.pipeline.generate(tenant, request_id, ask, started, timings, timeout)
             async for out in events:
@@ -227,7 +230,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     log.info(
                         "request_done",
                         request_id=request_id,
-                        tenant=tenant,
+                        tenant=tenant.id,
                         num_items=len(out.cache),
                         timings_ms=out.timings_ms,
                         output_tokens=out.output_tokens,
@@ -239,10 +242,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self,
         messages: AsyncIterator[gateway_pb2.UploadMessage | Malformed],
         deadline: float,
+        lim: LimitsConfig,
     ) -> Ask:
-        """Assembles an upload, enforcing byte limits as each chunk arrives; the bytes count
-        against the gateway's cap on unfinished uploads until the upload is assembled or dies."""
-        it, lim = aiter(messages), self.limits
+        """Assembles an upload, enforcing the tenant's byte limits as each chunk arrives; the
+        bytes count against the gateway's cap on unfinished uploads until the upload is
+        assembled or dies."""
+        it = aiter(messages)
         with self.uploads.hold() as take:
             first = await self._next(it, deadline)
             if isinstance(first, Malformed):

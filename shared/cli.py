@@ -33,12 +33,13 @@ def _core(args: argparse.Namespace) -> int:
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    from gateway.config import GatewayConfig, LimitsConfig, tenants_from
+    from gateway.config import GatewayConfig, LimitsConfig
+    from gateway.tenants import ConfigFile, tenants_from
 
     data, env = read_file(args.config), environ()
     cfg = build(GatewayConfig, "gateway", data, env)
     lim = build(LimitsConfig, "limits", data, env)
-    tenants = tenants_from(data)
+    tenants_from(data, cfg, lim)  # every section is checked before anything starts
     if getattr(args, "check_sandbox", False):
         logs.configure("gateway", _log_level(data, env))
         from gateway import server
@@ -48,7 +49,7 @@ def _gateway(args: argparse.Namespace) -> int:
     logs.configure("gateway", _log_level(data, env), keys.log_key)
     from gateway import server
 
-    asyncio.run(server.run(cfg, lim, tenants, keys.core_token))
+    asyncio.run(server.run(cfg, lim, ConfigFile(args.config, data), keys.core_token))
     return 0
 
 

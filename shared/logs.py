@@ -70,6 +70,9 @@ ALLOWED_KEYS = frozenset(
         "healthy",
         "num_cores",
         "attempt",
+        "config_error",
+        "num_tenants",
+        "sections",
     }
 )
 # Keys whose values are user text: logged as length + short hash only.

@@ -81,10 +81,13 @@ key_sha256 = "{key_sha256(OTHER_KEY)}"
 """
 
 
-def start_stack(model: Path, logs: Path, **gateway_env: str) -> Stack:
+def start_stack(
+    model: Path, logs: Path, tenants_toml: str = TENANTS_TOML, **gateway_env: str
+) -> Stack:
+    """`tenants_toml` is the config file both services read (logs/visor.toml)."""
     core, gw, metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
     config = logs / "visor.toml"
-    config.write_text(TENANTS_TOML)
+    config.write_text(tenants_toml)
     env = {
         "VISOR_CORE_LISTEN": core,
         "VISOR_CORE_MODEL": str(model),

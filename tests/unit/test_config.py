@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from core.config import CoreConfig
-from gateway.config import GatewayConfig, LimitsConfig, tenants_from
+from gateway.config import GatewayConfig, LimitsConfig
+from gateway.tenants import ConfigFile, tenants_from
 from shared.config import ConfigError, build, read_file
 
 
@@ -55,13 +56,13 @@ def test_bad_config_is_an_error_at_start(
 def test_tenants_are_checked(tmp_path: Path) -> None:
     good = "a" * 64
     data = read_file(_write(tmp_path, f'[[tenants]]\nid = "acme"\nkey_sha256 = "{good}"\n'))
-    assert tenants_from(data)[0].id == "acme"
+    assert tenants_from(data, GatewayConfig(), LimitsConfig()).tenants[0].id == "acme"
     for bad in (
         '[[tenants]]\nid = "a"\nkey_sha256 = "short"\n',
         f'[[tenants]]\nid = "a"\nkey_sha256 = "{good}"\nrole = "x"\n',
     ):
         with pytest.raises(ConfigError):
-            tenants_from(read_file(_write(tmp_path, bad)))
+            tenants_from(read_file(_write(tmp_path, bad)), GatewayConfig(), LimitsConfig())
 
 
 def test_core_refuses_a_public_plaintext_listen() -> None:
@@ -120,4 +121,4 @@ def test_upload_bytes_in_flight_must_hold_one_whole_request() -> None:
 
     cfg = build(GatewayConfig, "gateway", {}, {"VISOR_GATEWAY_MAX_UPLOAD_BYTES_IN_FLIGHT": "1024"})
     with pytest.raises(ConfigError, match="max_upload_bytes_in_flight"):
-        asyncio.run(server.run(cfg, LimitsConfig(), (), core_token="unused"))
+        asyncio.run(server.run(cfg, LimitsConfig(), ConfigFile(None, {}), core_token="unused"))

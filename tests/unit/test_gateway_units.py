@@ -11,12 +11,14 @@ import pytest
 import structlog
 from PIL import Image
 
-from gateway.auth import Authenticator
-from gateway.config import LimitsConfig, Tenant
+from gateway.auth import authenticate
+from gateway.config import GatewayConfig, LimitsConfig
 from gateway.limits import check_request
 from gateway.sniff import sniff
+from gateway.tenants import tenants_from
 from gateway.types import Ask, Params, Turn
 from shared import logs, secret
+from shared.config import ConfigError
 from shared.errors import Reason, VisorError
 from shared.hashing import key_sha256
 
@@ -88,19 +90,21 @@ def test_stop_string_limits() -> None:
 
 
 def test_auth_dev_key_only_on_loopback() -> None:
-    dev = Authenticator.for_listen((), loopback=True)
-    assert dev.tenant([("authorization", "Bearer visor-dev-key")]) == "dev"
-    with pytest.raises(ValueError, match="tenants"):
-        Authenticator.for_listen((), loopback=False)
-    auth = Authenticator.for_listen((Tenant("acme", key_sha256("s3cret")),), loopback=False)
-    assert auth.tenant([("authorization", "Bearer s3cret")]) == "acme"
+    lim, public = LimitsConfig(), GatewayConfig(listen="0.0.0.0:50051")
+    dev = tenants_from({}, GatewayConfig(), lim)
+    assert authenticate(dev, [("authorization", "Bearer visor-dev-key")]).id == "dev"
+    with pytest.raises(ConfigError, match="tenants"):
+        tenants_from({}, public, lim)
+    acme = {"tenants": [{"id": "acme", "key_sha256": key_sha256("s3cret")}]}
+    auth = tenants_from(acme, public, lim)
+    assert authenticate(auth, [("authorization", "Bearer s3cret")]).id == "acme"
     for metadata in (
         [],
         [("authorization", "Bearer visor-dev-key")],
         [("authorization", "s3cret")],
     ):
         with pytest.raises(VisorError) as info:
-            auth.tenant(metadata)
+            authenticate(auth, metadata)
         assert info.value.reason is Reason.UNAUTHENTICATED
 
 
