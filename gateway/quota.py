@@ -68,6 +68,7 @@ class Quotas:
                 raise VisorError(
                     Reason.QUOTA_EXCEEDED,
                     f"the tenant exceeds rate_per_tenant ({self.rate_per_s:g} requests/s)",
+                    retry_after_s=(1.0 - bucket.tokens) / self.rate_per_s,  # the bucket's refill
                 )
             bucket.tokens -= 1.0
         bucket.in_flight += 1
