@@ -79,7 +79,7 @@ soak: $(STAMP) protos $(MODEL)/config.json
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy gateway core shared
+	$(BIN)/mypy gateway core shared visor
 
 bench: $(STAMP) protos $(MODEL)/config.json
 	$(BIN)/visor bench wire

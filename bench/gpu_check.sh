@@ -9,5 +9,5 @@ PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 "$PY" -c 'import tensorrt, torch; assert torch.cuda.is_available(), "no CUDA device"' \
   || { echo '{"error": "TensorRT or CUDA missing: pip install .[gpu] on a GPU host"}'; exit 1; }
-[ -f "$MODEL/config.json" ] || "$PY" -m shared.cli model init-demo --out "$MODEL"
+[ -f "$MODEL/config.json" ] || "$PY" -m visor.cli model init-demo --out "$MODEL"
 exec timeout 480 "$PY" -m bench.gpu_check "$MODEL"

@@ -69,6 +69,7 @@ class Quotas:
                     Reason.QUOTA_EXCEEDED,
                     f"the tenant exceeds its rate of {rate_per_s:g} requests/s "
                     "(rate_per_tenant, or its [tenants.policy] rate_per_s)",
+                    retry_after_s=(1.0 - bucket.tokens) / rate_per_s,  # the bucket's refill
                 )
             bucket.tokens -= 1.0
         bucket.in_flight += 1

@@ -56,21 +56,26 @@ STATUS_OF: dict[Reason, grpc.StatusCode] = {
 
 
 class VisorError(Exception):
-    """A refusal: a reason, a public message (safe to show the client) and a log-only detail."""
+    """A refusal: a reason, a public message (safe to show the client), a log-only detail, and
+    how long the caller should wait before trying again when the refusal knows (travels as a
+    google.rpc.RetryInfo)."""
 
-    def __init__(self, reason: Reason, message: str, detail: str = "") -> None:
+    def __init__(
+        self, reason: Reason, message: str, detail: str = "", retry_after_s: float | None = None
+    ) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
         self.detail = detail
+        self.retry_after_s = retry_after_s
 
     @property
     def code(self) -> grpc.StatusCode:
         return STATUS_OF[self.reason]
 
-    def __reduce__(self) -> tuple[type[VisorError], tuple[Reason, str, str]]:
+    def __reduce__(self) -> tuple[type[VisorError], tuple[object, ...]]:
         # Decode workers raise these in another process; keep them picklable.
-        return (VisorError, (self.reason, self.message, self.detail))
+        return (VisorError, (self.reason, self.message, self.detail, self.retry_after_s))
 
     def __repr__(self) -> str:
         return f"VisorError({self.reason.value}, {self.message!r})"

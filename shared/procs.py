@@ -22,7 +22,7 @@ def start(
     log_path: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """Starts `visor core` or `visor gateway` with this interpreter."""
-    cmd = [sys.executable, "-m", "shared.cli", kind]
+    cmd = [sys.executable, "-m", "visor.cli", kind]
     if config is not None:
         cmd += ["--config", str(config)]
     full_env = {**os.environ, **(env or {})}

@@ -179,20 +179,21 @@ class Remote:
     """A running gateway (and the core behind it), through the Python client."""
 
     def __init__(self, target: str, key: str, timeout_s: float = 60.0) -> None:
-        self.target, self.key, self.timeout_s = target, key, timeout_s
+        from visor.client import Client
+
+        self.client = Client(target, key, timeout=timeout_s)
 
     async def prepare(self, case: Case) -> object:
         return None
 
     async def answer(self, case: Case, prepared: object, chosen: Profile) -> Outcome:
-        from shared import client
-
-        req = client.build_request(
-            case.question, [case.media], profile=chosen.name, max_new_tokens=MAX_NEW_TOKENS
-        )
         t0 = time.perf_counter()
         got = await asyncio.to_thread(
-            client.ask, self.target, self.key, req, timeout=self.timeout_s
+            self.client.ask,
+            case.question,
+            [case.media],
+            profile=chosen.name,
+            max_new_tokens=MAX_NEW_TOKENS,
         )
         wall = (time.perf_counter() - t0) * 1000
         return Outcome(
@@ -202,7 +203,7 @@ class Remote:
         )
 
     def close(self) -> None:
-        pass
+        self.client.close()
 
 
 def summarise(cases: list[Case], outcomes: list[Outcome]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ WORKDIR /src
 COPY pyproject.toml README.md hatch_build.py ./
 COPY protos protos
 COPY shared shared
+COPY visor visor
 COPY gateway gateway
 COPY core core
 COPY bench bench

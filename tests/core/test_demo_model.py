@@ -18,7 +18,7 @@ def test_init_demo_builds_a_loadable_deterministic_checkpoint(tmp_path: Path) ->
             [
                 sys.executable,
                 "-m",
-                "shared.cli",
+                "visor.cli",
                 "model",
                 "init-demo",
                 "--out",

@@ -16,11 +16,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from shared import client
 from shared.proto import gateway_pb2
 from tests.conftest import OTHER_KEY, Stack, free_port
 from tests.gateway.test_gateway_hardening import gateway
 from tests.helpers import DEV_KEY, Outcome, _reason, generate, request
+from visor.client import Client
 
 UPLOAD = "/visor.v1.Gateway/GenerateUpload"
 GENERATE = "/visor.v1.Gateway/Generate"
@@ -246,8 +246,9 @@ def test_requests_total_counts_each_outcome_once(stack: Stack, tmp_path: Path) -
         assert _counted(metrics, before, {"ok": 1}) == {"ok": 1}
 
         before = _outcomes(metrics)  # a client that closes as soon as it has the final event
-        for _ in range(5):
-            client.ask(gw, DEV_KEY, request("hi", max_new_tokens=2), timeout=30)
+        with Client(gw, DEV_KEY, timeout=30) as client:
+            for _ in range(5):
+                client.ask("hi", max_new_tokens=2)
         assert _counted(metrics, before, {"ok": 5}) == {"ok": 5}
 
         before = _outcomes(metrics)

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_gateway_prints_one_json_object() -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "bench", "gateway", "--json", "--repeats", "2"],
+        [sys.executable, "-m", "visor.cli", "bench", "gateway", "--json", "--repeats", "2"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -125,7 +125,7 @@ def test_no_canary_reaches_any_log_line(debug_stack: Stack, tmp_path: Path) -> N
     assert refused.code == grpc.StatusCode.UNAUTHENTICATED
     named = tmp_path / f"{CANARY['filename']}.png"
     named.write_bytes(png)
-    ask = [sys.executable, "-m", "shared.cli", "ask", str(named), "--prompt", prompt]
+    ask = [sys.executable, "-m", "visor.cli", "ask", str(named), "--prompt", prompt]
     ask += ["--key", CANARY["key"], "--target", debug_stack.gateway, "--json"]
     subprocess.run(ask, check=True, capture_output=True, timeout=60, cwd=ROOT)
     assert_workers_steady(debug_stack)  # 6 decode-bearing requests, each worker recycled

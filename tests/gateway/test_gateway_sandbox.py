@@ -244,7 +244,7 @@ def _state(pid: int) -> str:
 
 def test_check_sandbox_cli_reports_every_protection() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "gateway", "--check-sandbox"],
+        [sys.executable, "-m", "visor.cli", "gateway", "--check-sandbox"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -61,7 +61,7 @@ def test_cache_cli_stats_and_purge(stack: Stack) -> None:
 
     def cli(*args: str) -> dict[str, object]:
         out = subprocess.run(
-            [sys.executable, "-m", "shared.cli", "cache", *args],
+            [sys.executable, "-m", "visor.cli", "cache", *args],
             env=env,
             capture_output=True,
             text=True,

@@ -93,7 +93,7 @@ def test_gateway_refuses_bad_logprob_values(
 
 def test_visor_ask_json_reports_logprobs(stack: Stack) -> None:
     args = ["--prompt", "Describe it.", "--max-new-tokens", "5", "--json", "--logprobs", "2"]
-    cli = [sys.executable, "-m", "shared.cli", "ask", "--target", stack.gateway, *args]
+    cli = [sys.executable, "-m", "visor.cli", "ask", "--target", stack.gateway, *args]
     answer = json.loads(subprocess.run(cli, capture_output=True, check=True, text=True).stdout)
     entries = answer["logprobs"]
     assert "".join(e["token"] for e in entries) == answer["text"]

@@ -115,7 +115,7 @@ def test_plaintext_client_is_refused(tls_core: TlsCore) -> None:
 
 def test_health_command_over_mtls(tls_core: TlsCore) -> None:
     p = tls_core.pki
-    base = [sys.executable, "-m", "shared.cli", "health", "--target", tls_core.address]
+    base = [sys.executable, "-m", "visor.cli", "health", "--target", tls_core.address]
     base += ["--service", "visor.v1.Core", "--ca", str(p.ca_cert)]
     # The core's own certificate carries clientAuth: the pod's probe dials itself with it.
     ok = [*base, "--cert", str(p.core_cert), "--key", str(p.core_key)]
@@ -143,7 +143,7 @@ def _probe_command(tls_core: TlsCore) -> list[str]:
         "localhost:50052": "localhost:" + tls_core.address.rsplit(":", 1)[1],
     }
     assert command[0] == "visor" and set(swap) <= set(command)
-    return [sys.executable, "-m", "shared.cli", *(swap.get(a, a) for a in command[1:])]
+    return [sys.executable, "-m", "visor.cli", *(swap.get(a, a) for a in command[1:])]
 
 
 def test_the_manifests_probe_passes_against_a_tls_core(tls_core: TlsCore) -> None:
@@ -192,7 +192,7 @@ def test_gateway_serves_through_mtls(tls_core: TlsCore, trusted: bool) -> None:
 
 def test_plaintext_core_off_loopback_refuses_to_start() -> None:
     env = {"VISOR_CORE_LISTEN": "0.0.0.0:1", "VISOR_CORE_METRICS_LISTEN": ""}
-    cmd = [sys.executable, "-m", "shared.cli", "core"]
+    cmd = [sys.executable, "-m", "visor.cli", "core"]
     out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "plaintext is allowed only on loopback" in out.stderr

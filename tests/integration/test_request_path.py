@@ -13,11 +13,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
-from shared import client
 from shared.errors import Reason, VisorError
 from shared.proto import gateway_pb2
 from tests.conftest import CORPUS, SAMPLES, Stack, corpus_rows, need_corpus
 from tests.helpers import Outcome, generate, request
+from visor.client import Client
 
 # Stage keys every served image request must report (DESIGN.md "Observability").
 REQUIRED_STAGES = {
@@ -191,12 +191,8 @@ def test_upload_variant_serves_an_image_above_the_message_limit(stack: Stack) ->
     assert len(big) > 5 * 1024 * 1024
     inline = generate(stack.gateway, request(media=(big,)))
     assert inline.code == grpc.StatusCode.RESOURCE_EXHAUSTED  # gRPC's own 4 MiB message limit
-    answer = client.ask(
-        stack.gateway,
-        "visor-dev-key",
-        client.build_request("What is it?", [big], max_new_tokens=4),
-        timeout=60,
-    )
+    with Client(stack.gateway, "visor-dev-key") as client:
+        answer = client.ask("What is it?", [big], max_new_tokens=4)
     assert answer.usage["visual_tokens_before"] == 64
     assert set(answer.timings_ms) >= REQUIRED_STAGES
 
@@ -220,7 +216,7 @@ def test_health_and_reflection_on_both_servers(stack: Stack) -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "shared.cli", "ask", *args],
+        [sys.executable, "-m", "visor.cli", "ask", *args],
         capture_output=True,
         text=True,
         timeout=60,

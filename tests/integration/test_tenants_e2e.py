@@ -264,7 +264,7 @@ def test_loosening_is_refused_at_start_naming_the_key(tmp_path: Path) -> None:
         (_entry("acme", ["k"], limits="max_pixels = 40000000"), "[tenants.limits] max_pixels"),
     ):
         path.write_text(entry)
-        cmd = [sys.executable, "-m", "shared.cli", "gateway", "--config", str(path)]
+        cmd = [sys.executable, "-m", "visor.cli", "gateway", "--config", str(path)]
         out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert out.returncode == 2, out.stderr
         assert key in out.stderr and "loosens" in out.stderr and '"acme"' in out.stderr

@@ -20,7 +20,7 @@ BASELINE_N = 400  # 100 per scenario: one item is one point
 
 
 def _eval(*args: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "shared.cli", "eval", "--json", *args]
+    cmd = [sys.executable, "-m", "visor.cli", "eval", "--json", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
@@ -98,7 +98,7 @@ def test_jsonl_suite_matches_the_synthetic_path_and_plots(tmp_path: Path) -> Non
 
 def test_sweep_through_a_gateway_is_refused() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "eval", "--target", "127.0.0.1:1", "--sweep"],
+        [sys.executable, "-m", "visor.cli", "eval", "--target", "127.0.0.1:1", "--sweep"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -127,7 +127,7 @@ def test_relation_targets_sit_at_the_second_noun_and_agree_with_the_answer() -> 
 
 def test_a_short_training_run_writes_a_trained_llava_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "trained"
-    cmd = [sys.executable, "-m", "shared.cli", "model", "train-demo", "--out", str(out)]
+    cmd = [sys.executable, "-m", "visor.cli", "model", "train-demo", "--out", str(out)]
     done = subprocess.run(
         [*cmd, "--steps", "3", "--seed", "5"], capture_output=True, text=True, timeout=300
     )

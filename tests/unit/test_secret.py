@@ -89,7 +89,7 @@ def test_a_service_refuses_to_start_with_one_line(tmp_path: Path, service: str) 
         "VISOR_GATEWAY_LISTEN": f"127.0.0.1:{free_port()}",
         "VISOR_GATEWAY_METRICS_LISTEN": "",
     }
-    cmd = [sys.executable, "-m", "shared.cli", service]
+    cmd = [sys.executable, "-m", "visor.cli", service]
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()

@@ -62,29 +62,29 @@ def _deployment_keys(data: dict[str, Any], env: Mapping[str, str]) -> secret.Dep
 
 
 def _ask(args: argparse.Namespace) -> int:
-    from shared import client
-    from shared.errors import VisorError
+    from visor import errors
+    from visor.client import Client
+    from visor.request import Answer
 
     media = [Path(p).read_bytes() for p in args.images]
     asked = {} if args.logprobs is None else {"logprobs": True, "top_logprobs": args.logprobs}
-    req = client.build_request(
-        args.prompt,
-        media,
-        detail=args.detail,
-        profile=args.profile,
-        max_new_tokens=args.max_new_tokens,
-        **asked,
-    )
-
-    def show(text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
+    answer = None
     try:
-        answer = client.ask(
-            args.target, args.key, req, timeout=args.timeout, on_delta=None if args.json else show
-        )
-    except VisorError as err:
+        with Client(args.target, args.key, timeout=args.timeout) as client:
+            for event in client.generate(
+                args.prompt,
+                media,
+                detail=args.detail,
+                profile=args.profile,
+                max_new_tokens=args.max_new_tokens,
+                **asked,
+            ):
+                if isinstance(event, Answer):
+                    answer = event
+                elif not args.json:
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+    except errors.VisorError as err:
         payload = {"status": err.code.name, "reason": err.reason.value, "message": err.message}
         if args.json:
             print(json.dumps({"error": payload}))
@@ -93,6 +93,7 @@ def _ask(args: argparse.Namespace) -> int:
                 f"refused: {payload['status']} {payload['reason']}: {err.message}", file=sys.stderr
             )
         return 1
+    assert answer is not None  # the client's stream ends with the Answer or raises
     if args.json:
         print(json.dumps(answer.as_json()))
     else:
@@ -124,7 +125,7 @@ def _init_demo(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from shared import demo
+    from visor import demo
 
     return demo.run(Path(args.model), Path(args.samples), serve=args.serve, config=args.config)
 

@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared import client, procs
-from shared.errors import VisorError
+from shared import procs
 from shared.metrics import STAGES
+from visor.client import Client
+from visor.errors import VisorError
 
 GATEWAY, CORE = "127.0.0.1:50051", "127.0.0.1:50052"
 UNTRAINED = (
@@ -85,10 +86,10 @@ def run(model: Path, samples: Path, serve: bool, config: Path | None) -> int:
 
 def _ask(sample: Sample) -> tuple[bool, bool]:
     """Asks one sample: (served, answered as expected)."""
-    req = client.build_request(sample.question, [sample.path.read_bytes()], max_new_tokens=24)
     t0 = time.perf_counter()
     try:
-        answer = client.ask(GATEWAY, "visor-dev-key", req, timeout=60)
+        with Client(GATEWAY, "visor-dev-key", timeout=60) as client:
+            answer = client.ask(sample.question, [sample.path.read_bytes()], max_new_tokens=24)
     except VisorError as err:
         print(f"{sample.path.name}: refused {err.reason.value}: {err.message}", file=sys.stderr)
         return False, False
