@@ -61,14 +61,14 @@ COVERAGE: dict[str, dict[str, Any]] = {
         },
         "required": ["box"],
         "additionalProperties": False,
-    },  # fmt: skip
+    },
     "anyof": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 8}, {"type": "null"}]},
     "oneof": {
         "oneOf": [
             {"type": "boolean"},
             {"type": "array", "items": {"type": "integer"}, "maxItems": 2},
         ]
-    },  # fmt: skip
+    },
     "pattern": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
     "min_max": {
         "type": "object",
@@ -92,7 +92,7 @@ COVERAGE: dict[str, dict[str, Any]] = {
         "type": "array",
         "items": {"$ref": "#/$defs/pt"},
         "maxItems": 3,
-    },  # fmt: skip
+    },
     "recursive_ref": {
         "$defs": {
             "node": {
@@ -106,7 +106,7 @@ COVERAGE: dict[str, dict[str, Any]] = {
             }
         },
         "$ref": "#/$defs/node",
-    },  # fmt: skip
+    },
     "format_date_time": {"type": "string", "format": "date-time"},
     "format_email": {"type": "string", "format": "email"},
     "format_uuid": {"type": "string", "format": "uuid"},
@@ -115,7 +115,7 @@ COVERAGE: dict[str, dict[str, Any]] = {
         "type": "object",
         "additionalProperties": {"type": "integer"},
         "maxProperties": 2,
-    },  # fmt: skip
+    },
 }
 TIMED = ("flat_required", "nested", "ref_defs")  # the schemas timed at batch 16
 
