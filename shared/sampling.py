@@ -34,9 +34,10 @@ class ResponseFormat:
     text: str  # the JSON schema (as JSON text), the regex or the Lark grammar
 
 
-def check_response_format(fmt: ResponseFormat | None, max_bytes: int) -> None:
-    """A known kind, non-empty, at most `max_bytes` UTF-8 bytes: compiling costs time in its
-    size. Whether it compiles is the core's question (it holds the tokenizer)."""
+def check_response_format(fmt: ResponseFormat | None, max_bytes: int, limit: str) -> None:
+    """A known kind, non-empty, at most `max_bytes` UTF-8 bytes (named `limit` in the refusal):
+    compiling costs time in its size. Whether it compiles is the core's question (it holds the
+    tokenizer)."""
     if fmt is None:
         return
     if fmt.kind not in FORMAT_KINDS:
@@ -45,8 +46,7 @@ def check_response_format(fmt: ResponseFormat | None, max_bytes: int) -> None:
         raise VisorError(Reason.INVALID_REQUEST, f"response_format.{fmt.kind} is empty")
     if len(fmt.text.encode()) > max_bytes:
         raise VisorError(
-            Reason.INVALID_REQUEST,
-            f"response_format.{fmt.kind} exceeds max_format_bytes ({max_bytes})",
+            Reason.INVALID_REQUEST, f"response_format.{fmt.kind} exceeds {limit} ({max_bytes})"
         )
 
 
