@@ -53,13 +53,22 @@ class GrammarCompiler:
     keyed by (kind, text). Thread-safe: admission compiles on worker threads."""
 
     def __init__(
-        self, tokenizer_json: str, vocab_size: int, eos_ids: set[int], cache_size: int
+        self,
+        tokenizer_json: str,
+        vocab_size: int,
+        eos_ids: set[int],
+        cache_size: int,
+        max_grammar_size: int | None = None,
     ) -> None:
         self.tokenizer = llguidance.LLTokenizer(
             tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_ids)
         )
-        # verbose_errors off: llguidance's messages quote the grammar, and they are never shown.
-        self._limits = llguidance.LLParserLimits(verbose_errors=False)
+        # llguidance's own bounds (grammar symbols, lexer states, fuel), its defaults unless
+        # given: past one, the format is refused as too complex. verbose_errors off: its messages
+        # quote the grammar, and they are never shown anyway.
+        self._limits = llguidance.LLParserLimits(
+            max_grammar_size=max_grammar_size, verbose_errors=False
+        )
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()

@@ -120,6 +120,17 @@ def test_formats_that_do_not_compile_are_refused_naming_the_kind(
     assert f"response_format.{fmt.kind}" in str(err.value) and "secret" not in str(err.value)
 
 
+def test_a_format_over_the_grammar_limits_is_refused(model_dir: Path) -> None:
+    tok = (model_dir / "tokenizer.json").read_text()
+    tight = GrammarCompiler(tok, 512, {2}, cache_size=4, max_grammar_size=50)
+    small = _fmt("regex", "[a-c]+")
+    schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(20)}}
+    tight.compile(small)
+    with pytest.raises(VisorError, match=r"response_format\.json_schema .*limits") as err:
+        tight.compile(_fmt("json_schema", json.dumps(schema)))
+    assert err.value.reason == Reason.INVALID_REQUEST and tight.num_compiled == 1
+
+
 def test_admission_caps_the_format_size(engine: Engine) -> None:
     big = _fmt("regex", "a" * (engine.max_format_bytes + 1))
     req = InferRequest(
