@@ -97,6 +97,8 @@ class SchedulerConfig:
     max_item_tiles: int = 16  # tiles per item, thumbnail included (the gateway sends max_tiles + 1)
     max_stop_strings: int = 16  # stop strings per request (the gateway's own cap is lower)
     max_stop_bytes: int = 256  # UTF-8 bytes per stop string
+    max_format_bytes: int = 16 * 1024  # UTF-8 bytes of a response_format (schema, regex, grammar)
+    grammar_cache_size: int = 128  # compiled response formats kept (LRU, shared by tenants)
     block_size: int = 16  # tokens per KV block; a multiple of 16
     kv_cache_mb: int = 1024  # memory of the paged KV cache
     chunked_prefill: bool = True  # spread long prefills over several steps
@@ -114,10 +116,10 @@ class SchedulerConfig:
                 "[scheduler] max_num_seqs, batch_size, max_waiting, kv_cache_mb must be >= 1"
             )
         caps = (self.max_items, self.max_item_tiles, self.max_stop_strings, self.max_stop_bytes)
-        if min(caps) < 1:
+        if min(*caps, self.max_format_bytes, self.grammar_cache_size) < 1:
             raise ConfigError(
-                "[scheduler] max_items, max_item_tiles, max_stop_strings and max_stop_bytes "
-                "must be >= 1"
+                "[scheduler] max_items, max_item_tiles, max_stop_strings, max_stop_bytes, "
+                "max_format_bytes and grammar_cache_size must be >= 1"
             )
         if self.decode_step_tokens < 0:
             raise ConfigError("[scheduler] decode_step_tokens must be >= 0")

@@ -38,10 +38,11 @@ from core.model.tokenizer import ChatTokenizer
 from core.runner import ModelRunner, finished
 from core.scheduler import Scheduler, SchedulerOutput
 from core.sequence import EngineFailure, Event, Finished, RequestStatus, Sequence, Token
+from core.structured import Grammar, GrammarCompiler
 from core.types import CoreInfo, Delta, InferRequest, ItemSpec, Result, SamplingParams
 from shared import logs
 from shared.errors import Reason, VisorError
-from shared.sampling import check_logprobs, check_sampling, check_stop
+from shared.sampling import check_logprobs, check_response_format, check_sampling, check_stop
 
 PREPROCESS_VERSION = "pp1"
 T = TypeVar("T")
@@ -49,6 +50,7 @@ log = logs.get("core.engine")
 _FAILURES = {
     Reason.INTERNAL: "internal error in the core",
     Reason.CORE_UNAVAILABLE: "the core is shutting down",
+    Reason.INVALID_REQUEST: "response_format exceeded the grammar limits while generating",
 }
 
 
@@ -146,6 +148,10 @@ class Engine:
         self.max_waiting = sc.max_waiting
         self.max_items, self.max_item_tiles = sc.max_items, sc.max_item_tiles
         self.max_stop_strings, self.max_stop_bytes = sc.max_stop_strings, sc.max_stop_bytes
+        self.max_format_bytes = sc.max_format_bytes
+        self.grammars = GrammarCompiler(
+            self.tokenizer.tok.to_str(), text.vocab_size, self.eos_ids, sc.grammar_cache_size
+        )
         self.kv_manager = KVCacheManager(num_blocks, sc.block_size, sc.prefix_caching)
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -184,6 +190,7 @@ class Engine:
         check_sampling(p.temperature, p.top_p, p.top_k, p.min_new_tokens, p.max_new_tokens)
         check_stop(p.stop, self.max_stop_strings, self.max_stop_bytes)
         check_logprobs(p.logprobs, p.top_logprobs)
+        check_response_format(p.response_format, self.max_format_bytes, "max_format_bytes")
         if p.max_new_tokens < 1:
             raise VisorError(Reason.INVALID_REQUEST, "max_new_tokens must be >= 1")
         if len(req.items) > self.max_items:
@@ -280,7 +287,8 @@ class Engine:
         turns the model thread's token ids into text deltas, and ends the request at a stop
         string, telling the model thread to drop it."""
         events: asyncio.Queue[Event] = asyncio.Queue()
-        seq = self._submit(req, ids, features, content_keys, _sink(events))
+        grammar = await self.grammars.admit(req.params.response_format)  # hit after admission
+        seq = self._submit(req, ids, features, content_keys, _sink(events), grammar)
         visual = sum(int(f.shape[0]) for f in features)
         stream = TextStream(self.tokenizer.detokenizer(), req.params.stop)
         num_tokens, end = 0, None
@@ -317,12 +325,14 @@ class Engine:
         features: list[np.ndarray],
         content_keys: list[bytes] | None,
         sink: Callable[[Event], None],
+        grammar: Grammar | None,
     ) -> Sequence:
         """Hands a new sequence to the model thread; refuses it over budget or a full queue."""
         self._check_budget(len(ids) + req.params.max_new_tokens)
         visual = [int(f.shape[0]) for f in features]
         keys = content_keys or [hashlib.sha256(f.tobytes()).digest() for f in features]
         seq = self._new_sequence(req, ids, visual, keys, sink)
+        seq.grammar = grammar
         image = torch.from_numpy(np.concatenate(features)).float() if features else None
         with self._lock:
             self._check_queue()
@@ -397,6 +407,7 @@ class Engine:
             counted()
 
     def _abort(self, seq_id: int) -> None:
+        self.runner.release(seq_id)
         seq = self._seqs.pop(seq_id, None)
         if seq is not None and not seq.status.finished:
             self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
@@ -428,6 +439,7 @@ class Engine:
                     chunk.seq.sink(EngineFailure())
         for seq in [s for s in self._seqs.values() if s.status.finished]:
             del self._seqs[seq.seq_id]
+            self.runner.release(seq.seq_id)
         self._num_waiting = self.scheduler.num_waiting
         self._record(out, time.perf_counter() - t0)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from core.kv_cache import ImageSpan, hash_block
+from core.structured import Grammar
 from core.types import SamplingParams
 from shared.errors import Reason
 
@@ -88,6 +89,7 @@ class Sequence:
     first_token: float = 0.0  # perf_counter of its first output token
     num_preemptions: int = 0  # times it lost its blocks
     arrival_clock: int = 0  # the scheduler's token clock when it was added
+    grammar: Grammar | None = None  # compiled response format (shared, read-only); None = free
 
     @property
     def num_tokens(self) -> int:

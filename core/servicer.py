@@ -19,7 +19,7 @@ from core.types import CachePolicy, Delta, InferRequest, ItemSpec, Result, Sampl
 from shared import logs, tracing
 from shared.errors import Reason, VisorError
 from shared.metrics import observe
-from shared.proto import core_pb2, core_pb2_grpc
+from shared.proto import core_pb2, core_pb2_grpc, response_format
 from shared.status import to_status
 from shared.wire import TensorAssembler, TensorSpec
 
@@ -42,6 +42,7 @@ def request_from_proto(h: core_pb2.InferHeader) -> InferRequest:
             stop=tuple(p.stop),
             logprobs=p.logprobs,
             top_logprobs=p.top_logprobs,
+            response_format=response_format(p.response_format),
         ),
         items=tuple(
             ItemSpec(
@@ -116,6 +117,7 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
             raise VisorError(Reason.INVALID_REQUEST, "the first Infer message must be a header")
         req = request_from_proto(first.header)
         self.engine.check_request(req)
+        await self.engine.grammars.admit(req.params.response_format)  # before any compute
         chosen = compression.profile(req.profile)
         _note_request(req, chosen.name)  # a known profile's name, never the caller's string
         t0 = time.perf_counter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.model.tokenizer import ChatTurn
-from shared.sampling import TokenLogprob
+from shared.sampling import ResponseFormat, TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +19,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, excluded from the output
     logprobs: bool = False  # report each token's logprob
     top_logprobs: int = 0  # alternatives reported per token
+    response_format: ResponseFormat | None = None  # what the answer must match; None = free text
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,6 +91,9 @@ def _header(req: CoreRequest) -> core_pb2.InferHeader:
             top_logprobs=p.top_logprobs,
         ),
     )
+    fmt = p.response_format
+    if fmt is not None:  # the oneof field named by the kind (FORMAT_KINDS)
+        setattr(header.params.response_format, fmt.kind, fmt.text)
     counts = req.num_images or tuple(len(t.media) for t in req.turns)
     for t, count in zip(req.turns, counts, strict=True):
         header.turns.add(role=t.role, text=t.text, num_images=count)

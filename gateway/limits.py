@@ -6,7 +6,7 @@ from gateway.config import LimitsConfig
 from gateway.tenants import TenantPolicy
 from gateway.types import Ask
 from shared.errors import Reason, VisorError
-from shared.sampling import check_logprobs, check_sampling, check_stop
+from shared.sampling import check_logprobs, check_response_format, check_sampling, check_stop
 from shared.wire import PROFILES
 
 
@@ -43,6 +43,8 @@ def check_request(limits: LimitsConfig, ask: Ask) -> int:
         raise VisorError(Reason.INVALID_REQUEST, "the request has no prompt, turn or media")
     text_bytes = sum(len(t.text.encode()) for t in ask.turns)
     text_bytes += sum(len(s.encode()) for s in ask.params.stop)
+    fmt = ask.params.response_format
+    text_bytes += len(fmt.text.encode()) if fmt else 0
     if text_bytes > limits.max_prompt_bytes:
         raise VisorError(
             Reason.PROMPT_TOO_LONG, f"text exceeds max_prompt_bytes ({limits.max_prompt_bytes})"
@@ -60,6 +62,7 @@ def check_request(limits: LimitsConfig, ask: Ask) -> int:
     check_sampling(p.temperature, p.top_p, p.top_k, p.min_new_tokens, wanted)
     check_stop(p.stop, limits.max_stop_strings, limits.max_stop_bytes)
     check_logprobs(p.logprobs, p.top_logprobs)
+    check_response_format(fmt, limits.max_prompt_bytes, "max_prompt_bytes")
     return wanted
 
 

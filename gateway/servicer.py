@@ -22,7 +22,7 @@ from gateway.types import Ask, Delta, Final, Params, Turn
 from shared import logs, tracing
 from shared.errors import Reason, VisorError
 from shared.metrics import observe
-from shared.proto import gateway_pb2, gateway_pb2_grpc
+from shared.proto import gateway_pb2, gateway_pb2_grpc, response_format
 from shared.sampling import TokenLogprob
 from shared.status import to_status
 
@@ -70,7 +70,7 @@ def ask_from_proto(req: gateway_pb2.GenerateRequest, media: list[bytes] | None =
     p = req.params
     params = Params(
         p.max_new_tokens, p.min_new_tokens, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop),
-        p.logprobs, p.top_logprobs,
+        p.logprobs, p.top_logprobs, response_format(p.response_format),
     )  # fmt: skip
     return Ask(tuple(turns), params, req.profile, DETAILS.get(req.detail, "auto"))
 

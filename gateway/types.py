@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.sampling import TokenLogprob
+from shared.sampling import ResponseFormat, TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +25,7 @@ class Params:
     stop: tuple[str, ...] = ()  # stop strings
     logprobs: bool = False  # report each token's logprob
     top_logprobs: int = 0  # alternatives reported per token
+    response_format: ResponseFormat | None = None  # what the answer must match; None = free text
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """The documented ranges of the generation parameters. The gateway checks them, and the core checks
 them again (it does not trust the gateway): one bad value must be refused before it reaches a
 step it shares with other tenants' sequences. Refusals name the parameter, never its value.
-Also the token logprob value that both services relay."""
+Also the token logprob value and the response format that both services relay."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ MAX_TEMPERATURE = 100.0  # above this the distribution is uniform to float32 pre
 GREEDY_BELOW = 1e-5  # smaller temperatures decode greedily (dividing by them overflows float32)
 MAX_TOP_K = 1000  # keep at most this many candidates; 0 = no top-k filter
 MAX_TOP_LOGPROBS = 20  # alternatives reported per token, as OpenAI's API and vLLM's default
+FORMAT_KINDS = ("json_schema", "regex", "grammar")  # ResponseFormat's oneof in gateway.proto
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,30 @@ class TokenLogprob:
     token: str  # the text this token completes in the answer
     logprob: float  # natural log of its probability
     top: tuple[tuple[str, float], ...] = ()  # (token, logprob) alternatives, most likely first
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """What the answer is constrained to (see gateway.proto's ResponseFormat)."""
+
+    kind: str  # one of FORMAT_KINDS
+    text: str  # the JSON schema (as JSON text), the regex or the Lark grammar
+
+
+def check_response_format(fmt: ResponseFormat | None, max_bytes: int, limit: str) -> None:
+    """A known kind, non-empty, at most `max_bytes` UTF-8 bytes (named `limit` in the refusal):
+    compiling costs time in its size. Whether it compiles is the core's question (it holds the
+    tokenizer)."""
+    if fmt is None:
+        return
+    if fmt.kind not in FORMAT_KINDS:
+        raise VisorError(Reason.INVALID_REQUEST, "unknown response_format kind")
+    if not fmt.text:
+        raise VisorError(Reason.INVALID_REQUEST, f"response_format.{fmt.kind} is empty")
+    if len(fmt.text.encode()) > max_bytes:
+        raise VisorError(
+            Reason.INVALID_REQUEST, f"response_format.{fmt.kind} exceeds {limit} ({max_bytes})"
+        )
 
 
 def check_sampling(

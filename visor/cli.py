@@ -251,6 +251,21 @@ def _bench_compression(args: argparse.Namespace) -> int:
     return compression.main(Path(args.model), args.n, args.seed, args.threads, quiet=args.json)
 
 
+def _bench_structured(args: argparse.Namespace) -> int:
+    from bench import structured
+
+    logs.configure("bench", "warning")
+    return structured.main(Path(args.model), args.steps, args.samples)
+
+
+def _add_structured_bench(bs: Any) -> None:
+    st = bs.add_parser("structured", help="llguidance vs xgrammar vs outlines-core: masks, schemas")
+    st.add_argument("--model", default="models/demo", help="read for its tokenizer")
+    st.add_argument("--steps", type=int, default=300, help="batch-16 steps timed per schema")
+    st.add_argument("--samples", type=int, default=8, help="answers generated per schema")
+    st.set_defaults(fn=_bench_structured)
+
+
 def _add_scheduler_benches(bs: Any) -> None:
     for name, fn, text in (
         ("batching", _bench_batching, "scheduler policies on a seeded mixed workload"),
@@ -344,6 +359,7 @@ def parser() -> argparse.ArgumentParser:
     sk.add_argument("--json", action="store_true", help="accepted for symmetry; output is JSON")
     sk.set_defaults(fn=_bench_soak)
     _add_scheduler_benches(bs)
+    _add_structured_bench(bs)
     m = sub.add_parser("model", help="model tools").add_subparsers(dest="model_cmd", required=True)
     i = m.add_parser("init-demo", help="build the demo checkpoint (no download)")
     i.add_argument("--out", default="models/demo")
