@@ -220,7 +220,7 @@ def _reason(exc: grpc.RpcError) -> str:
     """The ErrorInfo reason; a refusal without one shows as `grpc:<status>` (a defect)."""
     if exc.code() == grpc.StatusCode.CANCELLED:
         return "CANCELLED"
-    status = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    status = rpc_status.from_call(exc)
     if status is None or not status.details:
         WITHOUT_ERROR_INFO.append(f"{exc.code().name}: {(exc.details() or '')[:120]}")
         return f"grpc:{exc.code().name}"
@@ -339,7 +339,8 @@ async def _faults(soak: Soak, t0: float) -> None:
     addresses = list(soak.cores)
 
     def note(kind: str, **extra: Any) -> None:
-        soak.faults.append({"kind": kind, "t": round(time.monotonic() - t0, 2), **extra})
+        now = time.monotonic()
+        soak.faults.append({"kind": kind, "t": round(now - t0, 2), "at": now, **extra})
 
     async def kill_worker() -> None:
         workers = _children(soak.gateway_proc.pid)
@@ -360,7 +361,7 @@ async def _faults(soak: Soak, t0: float) -> None:
     victim = soak.cores[addresses[0]]
     victim.kill()
     victim.wait()
-    note("core_sigkill", core=0, at=time.monotonic())
+    note("core_sigkill", core=0)
     soak.cores[addresses[0]] = _start_core(soak.env, soak.config, soak.logs, addresses[0])
     await asyncio.to_thread(procs.wait_healthy, addresses[0], soak.cores[addresses[0]], 120)
     note("core_restarted", core=0)
@@ -466,6 +467,27 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
+FAULT_SETTLE_S = 3.0  # after a fault ends, how long its effects (failover, cold caches) count
+
+
+def fault_windows(faults: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(start, end) of each injected fault, monotonic: a worker kill until its replacement is
+    warm, a stopped core until it resumes, a killed core until it serves again."""
+    opened: dict[str, float] = {}
+    out = []
+    for f in faults:
+        kind, at = f["kind"], f["at"]
+        if kind in ("core_sigstop", "core_sigkill"):
+            opened[kind] = at
+        elif kind == "core_sigcont":
+            out.append((opened.pop("core_sigstop", at), at + FAULT_SETTLE_S))
+        elif kind == "core_restarted":
+            out.append((opened.pop("core_sigkill", at), at + FAULT_SETTLE_S))
+        else:
+            out.append((at, at + FAULT_SETTLE_S))
+    return out
+
+
 def report(
     soak: Soak, baseline: dict[str, dict[str, float]], final: dict[str, dict[str, float]], t0: float
 ) -> dict[str, Any]:
@@ -474,6 +496,8 @@ def report(
     outcomes: dict[str, Counter[str]] = {"quiet": Counter(), "noisy": Counter()}
     by_kind: dict[str, Counter[str]] = {}
     lat = {"alone": [], "beside-noise": []}  # type: dict[str, list[float]]
+    calm: list[float] = []  # beside the noise, overlapping no fault window
+    windows = fault_windows(soak.faults)
     lost: list[dict[str, Any]] = []
     late: list[dict[str, Any]] = []
     excused = 0
@@ -490,6 +514,10 @@ def report(
             continue
         if r.outcome == "ok":
             lat[r.kind].append((r.end - r.start) * 1000)
+            if r.kind == "beside-noise" and not any(
+                a <= r.end and r.start <= b for a, b in windows
+            ):
+                calm.append((r.end - r.start) * 1000)
         elif kill_at is not None and r.start <= kill_at <= r.end:
             excused += 1  # in flight on the core that was killed
         else:
@@ -522,6 +550,12 @@ def report(
                 "p99_ms": p99_noisy,
             },
             "p99_ratio": round(ratio, 3),
+            "outside_fault_windows": {
+                "n": len(calm),
+                "p50_ms": _pct(calm, 0.5),
+                "p99_ms": _pct(calm, 0.99),
+                "p99_ratio": round(_pct(calm, 0.99) / p99_alone, 3) if p99_alone else None,
+            },
             "slowest_beside_noise": sorted(
                 (
                     {"t": round(r.start - t0, 2), "ms": round((r.end - r.start) * 1000)}
