@@ -15,6 +15,7 @@ import argparse
 import io
 import os
 import random
+import resource
 import sys
 import tempfile
 import time
@@ -46,6 +47,7 @@ MAX_SIDE = 8192
 MAX_FRAMES = 64
 VIDEO_LIMITS = video.VideoLimits(30.0, 4, 600, 1.0, 4)
 TILE = 32
+WORKER_MEMORY = 2048 << 20  # [gateway] worker_memory_mb's default, in bytes
 
 
 def one_input(data: bytes) -> None:
@@ -158,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", choices=("auto", "atheris", "mutation"), default="auto")
     args = ap.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="visor-fuzz-"))
+    # Memory is bounded as a decode worker's is (its default worker_memory_mb): an input that
+    # allocates past it fails with MemoryError, which the worker turns into a refusal.
+    resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY, WORKER_MEMORY))
     decode.init_worker(MAX_PIXELS)
     warnings.simplefilter("error", Image.DecompressionBombWarning)
     seeds = write_seeds(workdir)
@@ -170,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv[0],
         f"-max_total_time={max(1, round(args.seconds))}",
         "-timeout=20",
-        "-rss_limit_mb=3072",
+        # libFuzzer's RSS check reads ru_maxrss, which Linux carries over exec from the parent
+        # (a test runner of several GiB would trip it before the first input): RLIMIT_AS bounds
+        # memory instead.
+        "-rss_limit_mb=0",
         "-max_len=262144",
         f"-artifact_prefix={workdir}/",
         str(seeds),
