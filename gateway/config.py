@@ -20,7 +20,7 @@ class GatewayConfig:
     # Cores to route to: "host:port" (one core each) or "dns:///name:port" (every address the
     # name resolves to, re-resolved every dns_refresh_s), in any mix.
     cores: tuple[str, ...] = ("127.0.0.1:50052",)
-    health_interval_s: float = 2.0  # grpc.health.v1 check of each core this often
+    health_interval_s: float = 1.0  # grpc.health.v1 check of each core this often
     health_timeout_s: float = 1.0  # a check slower than this marks the core down
     dns_refresh_s: float = 30.0  # how often dns:/// entries are resolved again
     core_tls_ca: str = ""  # PEM CA that signed the cores' certificates; with cert + key: mTLS
@@ -48,7 +48,7 @@ class GatewayConfig:
     max_requests_in_flight: int = 512  # Generate calls admitted at once, all tenants; OVERLOADED
     upload_idle_timeout_s: float = 10.0  # an upload whose next message takes longer is ended
     max_upload_bytes_in_flight: int = 256 * MIB  # bytes held by unfinished uploads; OVERLOADED
-    core_attempt_timeout_s: float = 5.0  # one core's Describe and cache reply; slower = down
+    core_attempt_timeout_s: float = 2.0  # one core's Describe and cache reply; slower = down
 
     def validate(self) -> None:
         split_host_port(self.listen)
