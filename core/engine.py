@@ -30,6 +30,7 @@ import torch
 
 from core import compression, encoders, metrics
 from core.config import SchedulerConfig
+from core.device import resolve
 from core.generate import TextStream, token_logprobs
 from core.kv_cache import ImageSpan, KVCacheManager
 from core.model import llava
@@ -97,6 +98,8 @@ class Engine:
         encoder: str = "torch",
         artifacts: Path | None = None,
         scheduler: SchedulerConfig | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
     ) -> None:
         if not (model_dir / "config.json").exists():
             raise FileNotFoundError(
@@ -105,6 +108,7 @@ class Engine:
             )
         if num_threads > 0:
             torch.set_num_threads(num_threads)
+        self.device, self.dtype = resolve(device, dtype)
         self.model = llava.load(model_dir)
         cfg = self.model.cfg
         self.tokenizer = ChatTokenizer(model_dir, cfg.image_token_id)
@@ -134,7 +138,9 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="visor-model", daemon=True)
         self._thread.start()
         folder = artifacts or model_dir / ".visor"
-        self.encoder = encoders.build(encoder, self.model, folder.expanduser(), num_threads)
+        self.encoder = encoders.build(
+            encoder, self.model, folder.expanduser(), num_threads, self.device, self.dtype
+        )
 
     def _build_scheduler(self, sc: SchedulerConfig) -> None:
         text = self.model.cfg.text
