@@ -3,14 +3,14 @@ one model thread.
 
 ```
  event loop (servicer)                          model thread
- generate() ── submit(add) ──▶ inbox ──▶ run tasks (adds, aborts, encoder jobs)
+ generate() ── submit(add) ──▶ inbox ──▶ run tasks (adds, aborts, `run` jobs)
             ◀── Delta / Finished ─────── step loop: schedule ▶ forward ▶ sample ▶ stream
  close iterator ── submit(abort) ──▶       (blocks freed before the next step)
 ```
 
 The event loop only enqueues work and receives events; between two steps the model thread runs
-whatever tasks arrived (new requests, aborts, encoder batches), so a cancelled request frees its
-blocks before the next step and encoding interleaves with generation.
+whatever tasks arrived (new requests, aborts), so a cancelled request frees its blocks before the
+next step. Encoder batches run on their own thread (`core.vision_queue.EncoderThread`), not here.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The vision queue: encoder batches formed by tile count with a short maximum wait, run off the
-event loop. A request's tiles are never split across batches."""
+event loop (on the encoder's own thread in the core). A request's tiles are never split across
+batches."""
 
 from __future__ import annotations
 
