@@ -1,5 +1,6 @@
-"""The body of `bench/gpu_check.sh`: TensorRT engine build, parity with torch FP32 (on the GPU),
-and torch eager vs TensorRT timing at batch 1, 8 and 32."""
+"""The encoder part of `bench/gpu_check.sh`: the torch encoder on the GPU in bf16 and fp16 and,
+where TensorRT is installed, the TensorRT engine (build time, parity, timing), each against the
+torch float32 encoder on the CPU, at batch 1, 8 and 32. Prints one JSON object."""
 
 from __future__ import annotations
 
@@ -7,62 +8,64 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from core.encoders import TorchEncoder, export_onnx
+from core import encoders
 from core.model import llava
-from core.tensorrt_encoder import TensorRTEncoder, build_engine
+from core.tensorrt_encoder import TensorRTUnavailable, import_tensorrt
 
 
-def _time(fn: object, repeats: int = 20) -> float:
-    fn()  # type: ignore[operator]
+def _time(fn: Callable[[], object], repeats: int = 20) -> float:
+    fn()  # warm-up
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(repeats):
-        fn()  # type: ignore[operator]
+        fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1000 / repeats
 
 
-def main(model_dir: Path) -> dict[str, object]:
-    model = llava.load(model_dir)
-    size = model.cfg.vision.image_size
-    folder = Path(tempfile.mkdtemp(prefix="visor-trt-"))
-    onnx = export_onnx(model, folder)
-    t0 = time.perf_counter()
-    build_engine(onnx, folder, size)
-    build_s = time.perf_counter() - t0
-    trt_enc = TensorRTEncoder(onnx, folder, size)
-    gpu_model = llava.load(model_dir).cuda().eval()
-    torch_enc = TorchEncoder(model)
-    out: dict[str, object] = {
-        "gpu": torch.cuda.get_device_name(),
-        "engine_build_s": round(build_s, 1),
-    }
-    pixels = np.random.default_rng(0).integers(0, 256, (8, 3, size, size), dtype=np.uint8)
-    ref, _ = torch_enc.encode(pixels)
-    got, _ = trt_enc.encode(pixels)
+def _parity(ref: np.ndarray, got: np.ndarray) -> dict[str, float]:
     a, b = ref.reshape(-1, ref.shape[-1]), got.reshape(-1, got.shape[-1])
     cosine = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
-    out["parity"] = {"min_cosine": float(cosine.min()), "max_abs": float(np.abs(ref - got).max())}
-    for batch in (1, 8, 32):
-        px = np.random.default_rng(batch).integers(0, 256, (batch, 3, size, size), dtype=np.uint8)
-        x = torch.from_numpy(px).cuda()
+    return {"min_cosine": round(float(cosine.min()), 6), "max_abs": float(np.abs(a - b).max())}
 
-        @torch.inference_mode()
-        def eager(x: torch.Tensor = x) -> None:
-            gpu_model.encode_with_importance(gpu_model.normalize(x))
 
-        eager_ms = _time(eager)
-        trt_ms = _time(lambda px=px: trt_enc.encode(px))
-        out[f"batch{batch}"] = {
-            "torch_eager_ms": round(eager_ms, 3),
-            "tensorrt_ms": round(trt_ms, 3),
-            "speedup": round(eager_ms / trt_ms, 2),
-        }
+def main(model_dir: Path) -> dict[str, Any]:
+    cuda = torch.device("cuda", 0)
+    size = llava.load(model_dir).cfg.vision.image_size
+    pixels = {
+        b: np.random.default_rng(b).integers(0, 256, (b, 3, size, size), dtype=np.uint8)
+        for b in (1, 8, 32)
+    }
+    reference = encoders.TorchEncoder(llava.load(model_dir))  # float32 on the CPU
+    ref = reference.encode(pixels[8])[0]
+    out: dict[str, Any] = {"gpu": torch.cuda.get_device_name(cuda)}
+    candidates: dict[str, encoders.Encoder] = {
+        "torch_bf16": encoders.TorchEncoder(llava.load(model_dir), cuda, torch.bfloat16),
+        "torch_fp16": encoders.TorchEncoder(llava.load(model_dir), cuda, torch.float16),
+    }
+    try:
+        trt = import_tensorrt(cuda)
+        folder = Path(tempfile.mkdtemp(prefix="visor-trt-"))
+        t0 = time.perf_counter()
+        candidates["tensorrt"] = encoders.build(
+            "tensorrt", llava.load(model_dir), folder, device=cuda, dtype=torch.float16
+        )
+        out["tensorrt"] = {"version": str(trt.__version__), "build_s": time.perf_counter() - t0}
+        out["tensorrt"]["served_by"] = candidates["tensorrt"].name  # torch = it fell back
+    except TensorRTUnavailable as exc:
+        out["tensorrt"] = {"absent": exc.reason}
+    for name, enc in candidates.items():
+        row: dict[str, Any] = {"parity_vs_cpu_fp32": _parity(ref, enc.encode(pixels[8])[0])}
+        for batch, px in pixels.items():
+            row[f"batch{batch}_ms"] = round(_time(lambda e=enc, p=px: e.encode(p)), 3)
+        out[name] = row
     return out
 
 

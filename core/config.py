@@ -18,7 +18,9 @@ class CoreConfig:
     core_id: str = ""  # reported as served_by; empty = "<hostname>:<port>"
     metrics_listen: str = "127.0.0.1:9102"  # Prometheus endpoint; empty disables it
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
-    encoder: str = "auto"  # auto | torch | torch-bf16 | onnxruntime | tensorrt
+    device: str = "auto"  # auto | cpu | cuda | cuda:N; auto = the first CUDA device, else the CPU
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16; auto = bf16 on CUDA, float32 on CPU
+    encoder: str = "auto"  # auto | torch | onnxruntime | tensorrt
     artifacts_dir: str = "~/.cache/visor/artifacts"  # ONNX export and TensorRT engines
     encode_batch_tiles: int = 16  # vision queue: tiles per encoder batch
     encode_max_wait_ms: float = 2.0  # vision queue: how long a batch waits to fill
@@ -33,10 +35,16 @@ class CoreConfig:
             raise ConfigError("[core] num_threads, grace_s and encode_max_wait_ms must be >= 0")
         if self.encode_batch_tiles < 1:
             raise ConfigError("[core] encode_batch_tiles must be >= 1")
+        from core.device import resolve
         from core.encoders import BACKENDS
 
+        if self.encoder == "torch-bf16":
+            raise ConfigError(
+                '[core] encoder "torch-bf16" is gone: set encoder = "torch" and dtype = "bfloat16"'
+            )
         if self.encoder not in BACKENDS:
             raise ConfigError(f"[core] encoder must be one of {BACKENDS}")
+        resolve(self.device, self.dtype)
         self.tls().check("[core] tls_client_ca, tls_cert, tls_key")
         if not self.tls().enabled and not is_loopback(self.listen):
             raise ConfigError(

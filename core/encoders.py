@@ -1,16 +1,20 @@
 """Vision encoder backends behind one interface: uint8 tiles in, projected features and
-per-token importance scores out. All of them run the same computation; `onnxruntime` and
-`tensorrt` run the one ONNX export of it (cached on disk by encoder digest).
+per-token importance scores out (float32, on the host, for the cache). All of them run the same
+computation, `_Graph`; `onnxruntime` and `tensorrt` run its ONNX export (cached on disk by
+encoder digest, graph version and precision).
 
-`auto` picks TensorRT where TensorRT and a CUDA device exist; otherwise it times torch (float32)
-and ONNX Runtime on a batch of 4 tiles at start and keeps the faster (the timings are logged).
-`torch-bf16` (bf16 autocast, for CPUs with native bf16) is never picked by `auto`: it trades
-precision for speed, which is the operator's call.
+`torch` runs the graph on the core's device in the core's dtype (`core.device.resolve`).
+`tensorrt` builds an engine from the fp16 export (fp32 when the core's dtype is float32); when it
+cannot (TensorRT absent, no CUDA device, a failed build or load) it logs one `tensorrt_fallback`
+line and serves `torch` instead of stopping the core. `auto` on a CUDA device tries TensorRT
+the same way; on the CPU it times torch and ONNX Runtime on a batch of 4 tiles at start and keeps
+the faster (the timings are logged).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import time
 from pathlib import Path
@@ -20,13 +24,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from core.model.llava import Llava
+from core.model.llava import Llava, encode_with_importance
 from shared import logs
 
-BACKENDS = ("auto", "torch", "torch-bf16", "onnxruntime", "tensorrt")
+BACKENDS = ("auto", "torch", "onnxruntime", "tensorrt")
 INPUT, FEATURES, IMPORTANCE = "pixels", "features", "importance"
 MAX_EXPORT_BATCH = 64
-GRAPH_VERSION = 1  # bump when `_Graph` computes something else: old exports are then ignored
+GRAPH_VERSION = 2  # bump when `_Graph` computes something else: old exports are then ignored
+PRECISIONS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+CPU = torch.device("cpu")
 log = logs.get("core.encoders")
 
 
@@ -40,46 +46,97 @@ class Encoder(Protocol):
 
 
 class _Graph(nn.Module):
-    """The exported computation: normalisation fused ahead of the tower, then the projector."""
+    """The computation every backend runs: uint8 pixels normalised in float32 (one affine step
+    fused ahead of the tower), cast to the weights' dtype, vision tower + projector (+ importance),
+    and the outputs cast to float32 on the device, so the host receives what the cache stores.
+    It holds the model's encoder modules, not the model: placing it moves only those."""
+
+    pixel_scale: torch.Tensor
+    pixel_shift: torch.Tensor
 
     def __init__(self, model: Llava) -> None:
         super().__init__()
-        self.model = model
+        self.cfg = model.cfg
+        self.tower = model.vision_tower
+        self.projector = model.multi_modal_projector
+        self.register_buffer("pixel_scale", model.pixel_scale, persistent=False)
+        self.register_buffer("pixel_shift", model.pixel_shift, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.projector.linear_1.weight.dtype
+
+    def place(self, device: torch.device, dtype: torch.dtype) -> _Graph:
+        """Moves the weights to `device` in `dtype`, in place (the model's own encoder modules
+        then live there); the normalisation constants stay float32, on `device`. `Module.to` is
+        skipped when nothing moves: it cannot run on the fake tensors the device tests use."""
+        for module in (self.tower, self.projector):
+            if any(p.device != device or p.dtype != dtype for p in module.parameters()):
+                module.to(device, dtype)
+        self.pixel_scale = self.pixel_scale.to(device)
+        self.pixel_shift = self.pixel_shift.to(device)
+        return self
 
     def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.encode_with_importance(self.model.normalize(pixels))
+        x = (pixels.float() * self.pixel_scale + self.pixel_shift).to(self.dtype)
+        feats, scores = encode_with_importance(self.cfg, self.tower, self.projector, x)
+        return feats.float(), scores.float()
 
 
 class TorchEncoder:
-    def __init__(self, model: Llava, bf16: bool = False) -> None:
-        self.graph = _Graph(model).eval()
-        self.bf16 = bf16
-        self.name = "torch-bf16" if bf16 else "torch"
+    """The graph run eagerly on `device` in `dtype`: the weights move there once, here; each
+    batch goes over as uint8 (a quarter of float32's bytes) and is normalised there. On CUDA it
+    runs on a stream of its own, so its kernels overlap the language model's."""
+
+    name = "torch"
+
+    def __init__(
+        self, model: Llava, device: torch.device = CPU, dtype: torch.dtype = torch.float32
+    ) -> None:
+        self.graph = _Graph(model).place(device, dtype).eval()
+        self.device, self.dtype = device, dtype
+        self._stream: torch.cuda.Stream | None = None
 
     @torch.inference_mode()
+    def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tiles, 3, H, W) uint8 -> float32 features and scores, on the device."""
+        feats, scores = self.graph(pixels.to(self.device, non_blocking=True))
+        return feats, scores
+
     def encode(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        tensor = torch.from_numpy(np.array(pixels, copy=True))
-        autocast = (
-            torch.autocast("cpu", dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
-        )
-        with autocast:
-            feats, scores = self.graph(tensor)
-        return feats.float().numpy(), scores.float().numpy()
+        host = torch.from_numpy(np.array(pixels, copy=True))
+        with self._on_stream():
+            feats, scores = self.forward(host)
+            # .cpu() waits for this stream only, not for the language model's kernels
+            return feats.cpu().numpy(), scores.cpu().numpy()
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[object]:
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        return torch.cuda.stream(self._stream)
 
 
-def export_onnx(model: Llava, folder: Path) -> Path:
-    """The ONNX export of `_Graph` with a dynamic tile axis, cached by encoder digest."""
+def export_onnx(model: Llava, folder: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """The ONNX export of `_Graph` with its weights in `dtype` and a dynamic tile axis, cached by
+    encoder digest, graph version and precision. Export before the torch encoder places the
+    model elsewhere: the digest (the file's name) is that of the weights as they are."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"encoder-{model.encoder_digest()[:16]}-g{GRAPH_VERSION}.onnx"
+    name = f"encoder-{model.encoder_digest()[:16]}-g{GRAPH_VERSION}-{PRECISIONS[dtype]}.onnx"
+    path = folder / name
     if path.exists():
         return path
+    graph = _Graph(model)
+    if graph.dtype != dtype or graph.pixel_scale.device != CPU:
+        graph = copy.deepcopy(graph).place(CPU, dtype)  # a copy: the model stays as it is
     size = model.cfg.vision.image_size
     example = torch.zeros((2, 3, size, size), dtype=torch.uint8)
     tiles = torch.export.Dim("tiles", min=1, max=MAX_EXPORT_BATCH)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     with torch.inference_mode(False), torch.no_grad():
         torch.onnx.export(
-            _Graph(model).eval(),
+            graph.eval(),
             (example,),
             str(tmp),
             input_names=[INPUT],
@@ -112,12 +169,35 @@ class OnnxRuntimeEncoder:
         return np.asarray(feats, np.float32), np.asarray(scores, np.float32)
 
 
-def tensorrt_available() -> bool:
+def tensorrt_precision(dtype: torch.dtype) -> torch.dtype:
+    """The engine's precision for the core's dtype: fp16 for either half type (3 more mantissa
+    bits than bf16, and the best-supported TensorRT kernels; CLIP towers are run in fp16 widely),
+    fp32 when the operator asked for float32."""
+    return torch.float32 if dtype == torch.float32 else torch.float16
+
+
+def _tensorrt_or_torch(
+    model: Llava, artifacts: Path, device: torch.device, dtype: torch.dtype
+) -> Encoder:
+    """The TensorRT encoder, or, when it cannot be had, the torch encoder after one log line."""
     try:
-        import tensorrt  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
+        from core import tensorrt_encoder as trt
+
+        trt.import_tensorrt(device)  # before the export: no TensorRT or no CUDA fails fast
+        precision = tensorrt_precision(dtype)
+        onnx = export_onnx(model, artifacts, precision)
+        digest, size = model.encoder_digest(), model.cfg.vision.image_size
+        return trt.load(onnx, artifacts, device, PRECISIONS[precision], digest, size)
+    except Exception as exc:  # any failure to build or load: serve with torch, say why
+        reason = getattr(exc, "reason", "TensorRT failed to build or load the engine")
+        log.warning(
+            "tensorrt_fallback",
+            reason=reason,
+            error_type=type(exc).__name__,
+            where=logs.error_site(exc),
+            backend="torch",
+        )
+        return TorchEncoder(model, device, dtype)
 
 
 def _time(encoder: Encoder, pixels: np.ndarray, repeats: int = 3) -> float:
@@ -128,39 +208,31 @@ def _time(encoder: Encoder, pixels: np.ndarray, repeats: int = 3) -> float:
     return (time.perf_counter() - t0) * 1000 / repeats
 
 
-def build(backend: str, model: Llava, artifacts: Path, num_threads: int = 0) -> Encoder:
-    """Builds the named backend (see the module docstring for `auto`)."""
+def build(
+    backend: str,
+    model: Llava,
+    artifacts: Path,
+    num_threads: int = 0,
+    device: torch.device = CPU,
+    dtype: torch.dtype = torch.float32,
+) -> Encoder:
+    """Builds the named backend on `device` in `dtype` (see the module docstring for `auto`).
+    ONNX Runtime runs on the CPU in float32 whatever the device."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown encoder backend {backend!r}; one of {BACKENDS}")
     if backend == "torch":
-        return TorchEncoder(model)
-    if backend == "torch-bf16":
-        if not _cpu_has_bf16():
-            raise ValueError("encoder backend torch-bf16 needs a CPU with native bf16")
-        return TorchEncoder(model, bf16=True)
-    if backend == "tensorrt" or (backend == "auto" and tensorrt_available()):
-        from core.tensorrt_encoder import TensorRTEncoder
-
-        return TensorRTEncoder(
-            export_onnx(model, artifacts), artifacts, model.cfg.vision.image_size
-        )
+        return TorchEncoder(model, device, dtype)
+    if backend == "tensorrt" or (backend == "auto" and device.type == "cuda"):
+        return _tensorrt_or_torch(model, artifacts, device, dtype)
     onnx = OnnxRuntimeEncoder(export_onnx(model, artifacts), num_threads)
     if backend == "onnxruntime":
         return onnx
     size = model.cfg.vision.image_size
     probe = np.random.default_rng(0).integers(0, 256, (4, 3, size, size), dtype=np.uint8)
-    candidates: list[Encoder] = [TorchEncoder(model), onnx]
+    candidates: list[Encoder] = [TorchEncoder(model, device, dtype), onnx]
     timings = {c.name: _time(c, probe) for c in candidates}
     best = min(candidates, key=lambda c: timings[c.name])
     log.info(
         "encoder_auto", backend=best.name, timings_ms={k: round(v, 2) for k, v in timings.items()}
     )
     return best
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags

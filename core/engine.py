@@ -3,14 +3,14 @@ one model thread.
 
 ```
  event loop (servicer)                          model thread
- generate() ── submit(add) ──▶ inbox ──▶ run tasks (adds, aborts, encoder jobs)
+ generate() ── submit(add) ──▶ inbox ──▶ run tasks (adds, aborts, `run` jobs)
             ◀── Delta / Finished ─────── step loop: schedule ▶ forward ▶ sample ▶ stream
  close iterator ── submit(abort) ──▶       (blocks freed before the next step)
 ```
 
 The event loop only enqueues work and receives events; between two steps the model thread runs
-whatever tasks arrived (new requests, aborts, encoder batches), so a cancelled request frees its
-blocks before the next step and encoding interleaves with generation.
+whatever tasks arrived (new requests, aborts), so a cancelled request frees its blocks before the
+next step. Encoder batches run on their own thread (`core.vision_queue.EncoderThread`), not here.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 
 from core import compression, encoders, metrics
 from core.config import SchedulerConfig
+from core.device import resolve
 from core.generate import TextStream, token_logprobs
 from core.kv_cache import ImageSpan, KVCacheManager
 from core.model import llava
@@ -97,6 +98,8 @@ class Engine:
         encoder: str = "torch",
         artifacts: Path | None = None,
         scheduler: SchedulerConfig | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
     ) -> None:
         if not (model_dir / "config.json").exists():
             raise FileNotFoundError(
@@ -105,6 +108,7 @@ class Engine:
             )
         if num_threads > 0:
             torch.set_num_threads(num_threads)
+        self.device, self.dtype = resolve(device, dtype)
         self.model = llava.load(model_dir)
         cfg = self.model.cfg
         self.tokenizer = ChatTokenizer(model_dir, cfg.image_token_id)
@@ -134,7 +138,9 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="visor-model", daemon=True)
         self._thread.start()
         folder = artifacts or model_dir / ".visor"
-        self.encoder = encoders.build(encoder, self.model, folder.expanduser(), num_threads)
+        self.encoder = encoders.build(
+            encoder, self.model, folder.expanduser(), num_threads, self.device, self.dtype
+        )
 
     def _build_scheduler(self, sc: SchedulerConfig) -> None:
         text = self.model.cfg.text

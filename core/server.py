@@ -11,7 +11,7 @@ from core.config import CacheConfig, CoreConfig, SchedulerConfig
 from core.engine import Engine
 from core.features import FeatureService
 from core.servicer import CoreServicer
-from core.vision_queue import VisionQueue
+from core.vision_queue import EncoderThread, VisionQueue
 from shared import logs, metrics, serving, tls, tracing
 from shared.proto import core_pb2, core_pb2_grpc
 
@@ -34,10 +34,21 @@ async def run(cfg: CoreConfig, cache: CacheConfig, sched: SchedulerConfig, core_
     tune_malloc()
     artifacts = Path(cfg.artifacts_dir).expanduser()
     engine = Engine(
-        Path(cfg.model), cfg.resolved_core_id(), cfg.num_threads, cfg.encoder, artifacts, sched
+        Path(cfg.model),
+        cfg.resolved_core_id(),
+        cfg.num_threads,
+        cfg.encoder,
+        artifacts,
+        sched,
+        cfg.device,
+        cfg.dtype,
     )
+    encoder_thread = EncoderThread()  # batches never wait for, nor hold up, an LLM step
     queue = VisionQueue(
-        engine.encoder.encode, engine.run, cfg.encode_batch_tiles, cfg.encode_max_wait_ms / 1000
+        engine.encoder.encode,
+        encoder_thread.run,
+        cfg.encode_batch_tiles,
+        cfg.encode_max_wait_ms / 1000,
     )
     store = open_cache(cache) if cache.enabled else None
     features = FeatureService(engine.info, queue, store)
@@ -54,6 +65,8 @@ async def run(cfg: CoreConfig, cache: CacheConfig, sched: SchedulerConfig, core_
     log.info(
         "core_started",
         backend=engine.encoder.name,
+        device=str(engine.device),
+        dtype=str(engine.dtype).removeprefix("torch."),
         listen=cfg.listen,
         model=engine.info.model_id,
         core_id=engine.info.core_id,
@@ -62,6 +75,7 @@ async def run(cfg: CoreConfig, cache: CacheConfig, sched: SchedulerConfig, core_
 
     async def close() -> None:
         await features.close()
+        encoder_thread.close()
         engine.close()
         await asyncio.to_thread(tracing.shutdown)
         log.info("core_stopped")

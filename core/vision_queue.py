@@ -1,15 +1,19 @@
 """The vision queue: encoder batches formed by tile count with a short maximum wait, run off the
-event loop. A request's tiles are never split across batches."""
+event loop (on the encoder's own thread in the core). A request's tiles are never split across
+batches."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import numpy as np
 
 from core import metrics
+
+T = TypeVar("T")
 
 Encode = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
 Result = tuple[np.ndarray, np.ndarray]
@@ -76,3 +80,19 @@ class VisionQueue:
             if not f.done():
                 f.set_result((feats[start:end], scores[start:end]))
             start = end
+
+
+class EncoderThread:
+    """Runs encoder batches on a thread of their own instead of between two LLM steps: torch
+    releases the GIL inside kernels, so on CUDA a batch and a step run at once on streams of
+    their own and no step waits for a whole batch. One thread: batches run one at a time. It
+    leaves torch's thread count alone: `set_num_threads` on one thread changes other threads'."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, "visor-encoder")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.wrap_future(self._pool.submit(fn, *args))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -61,6 +61,7 @@ ALLOWED_KEYS = frozenset(
         "height",
         "frames",
         "dtype",
+        "device",
         "shape",
         "detail",
         "profile",

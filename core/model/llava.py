@@ -41,6 +41,24 @@ class Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
+def encode_with_importance(
+    cfg: LlavaConfig, tower: VisionTower, projector: Projector, pixels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Llava.encode_with_importance` on the encoder's own modules, which the encoder backends
+    place and export without the language model."""
+    num_layers = cfg.vision.num_layers
+    indices = [i if i >= 0 else num_layers + 1 + i for i in cfg.vision_feature_layers]
+    last = max(indices)
+    vit = tower.vision_model
+    states = vit.hidden_states(pixels, upto=last)
+    feats = torch.cat([states[i] for i in indices], dim=-1)
+    scores = vit.importance(states[last - 1], last - 1) if last > 0 else feats[..., 0] * 0
+    if cfg.drop_class_token:  # narrow, not [:, 1:]: see VisionTransformer.importance
+        tokens = feats.shape[1] - 1
+        feats, scores = feats.narrow(1, 1, tokens), scores.narrow(1, 1, tokens)
+    return projector(feats), scores
+
+
 class Llava(nn.Module):
     pixel_scale: torch.Tensor
     pixel_shift: torch.Tensor
@@ -73,16 +91,9 @@ class Llava(nn.Module):
     def encode_with_importance(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Features as `encode_images`, plus (tiles, tokens_per_tile) importance scores for
         pruning, taken from the attention of the last selected layer."""
-        num_layers = self.cfg.vision.num_layers
-        indices = [i if i >= 0 else num_layers + 1 + i for i in self.cfg.vision_feature_layers]
-        last = max(indices)
-        tower = self.vision_tower.vision_model
-        states = tower.hidden_states(pixels, upto=last)
-        feats = torch.cat([states[i] for i in indices], dim=-1)
-        scores = tower.importance(states[last - 1], last - 1) if last > 0 else feats[..., 0] * 0
-        if self.cfg.drop_class_token:
-            feats, scores = feats[:, 1:], scores[:, 1:]
-        return self.multi_modal_projector(feats), scores
+        return encode_with_importance(
+            self.cfg, self.vision_tower, self.multi_modal_projector, pixels
+        )
 
     def embed(self, token_ids: torch.Tensor, image_features: torch.Tensor | None) -> torch.Tensor:
         """Token embeddings with image-token positions replaced by image features, in order."""

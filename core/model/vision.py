@@ -106,7 +106,8 @@ class VisionTransformer(nn.Module):
         block = self.encoder.layers[layer]
         assert isinstance(block, VisionLayer)
         probs = block.self_attn.probs(block.layer_norm1(layer_input)).mean(dim=1)
-        return probs[:, 0, :] if hasattr(self, "pre_layrnorm") else probs.mean(dim=1)
+        # select, not [:, 0]: Python indexing cannot run on the fake CUDA tensors of the tests
+        return probs.select(1, 0) if hasattr(self, "pre_layrnorm") else probs.mean(dim=1)
 
     def hidden_states(self, pixels: torch.Tensor, upto: int) -> list[torch.Tensor]:
         """Embedding output then every layer's output, stopping after layer `upto`."""

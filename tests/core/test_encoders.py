@@ -1,18 +1,35 @@
-"""Encoder backends agree; the vision queue batches; importance scores are attention."""
+"""Encoder backends agree (torch float32 / bf16, ONNX Runtime on the fp32 and the fp16 export);
+the TensorRT engine key; the vision queue batches, on the encoder's own thread; importance scores
+are attention."""
 
 from __future__ import annotations
 
 import asyncio
+import re
+import threading
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
+import torch
 
 from core import encoders
 from core.model import llava
-from core.vision_queue import VisionQueue
+from core.tensorrt_encoder import PROFILE, Profile, TensorRTUnavailable, engine_key, import_tensorrt
+from core.vision_queue import EncoderThread, VisionQueue
 
-COSINE_MIN = 0.999  # stated tolerance: ONNX Runtime vs torch float32 features
+COSINE_MIN = 0.999  # stated tolerance: every backend and precision vs torch float32 features
+SCORES_ABS = 5e-3  # stated tolerance for importance scores in half precision (they sum to < 1)
+CUDA = torch.device("cuda", 0)
+
+
+def _tensorrt_missing() -> str:
+    try:
+        import_tensorrt(CUDA if torch.cuda.is_available() else torch.device("cpu"))
+    except TensorRTUnavailable as exc:
+        return exc.reason
+    return ""
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +44,13 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _pixels(n: int, size: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, 3, size, size), dtype=np.uint8)
+
+
+def _min_cosine(ref: np.ndarray, got: np.ndarray) -> float:
+    a, b = ref.reshape(-1, ref.shape[-1]), got.reshape(-1, got.shape[-1])
+    return float(
+        ((a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))).min()
+    )
 
 
 def test_onnxruntime_matches_torch(model: llava.Llava, artifacts: Path) -> None:
@@ -46,25 +70,89 @@ def test_onnxruntime_matches_torch(model: llava.Llava, artifacts: Path) -> None:
 
 
 def test_auto_picks_a_cpu_backend_here(model: llava.Llava, artifacts: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: auto tries TensorRT there")
     chosen = encoders.build("auto", model, artifacts)
     assert chosen.name in {"torch", "onnxruntime"}
     with pytest.raises(ValueError, match="unknown encoder backend"):
         encoders.build("cuda-magic", model, artifacts)
 
 
-@pytest.mark.skipif(
-    not encoders.tensorrt_available(), reason="TensorRT and a CUDA device are absent on this host"
-)
-def test_tensorrt_matches_torch(model: llava.Llava, artifacts: Path) -> None:
-    from core.tensorrt_encoder import TensorRTEncoder
-
+def test_torch_bf16_on_the_cpu_agrees_with_float32(model: llava.Llava, model_dir: Path) -> None:
     size = model.cfg.vision.image_size
-    pixels = _pixels(8, size)
+    pixels = _pixels(6, size)
+    ref_f, ref_s = encoders.TorchEncoder(model).encode(pixels)
+    placed = llava.load(model_dir)  # the encoder moves its model's weights: a model of its own
+    bf16 = encoders.TorchEncoder(placed, torch.device("cpu"), torch.bfloat16)
+    got_f, got_s = bf16.encode(pixels)
+    print(f"bf16 vs float32: min cosine {_min_cosine(ref_f, got_f):.6f}")
+    assert placed.vision_tower.vision_model.post_layernorm.weight.dtype == torch.bfloat16
+    assert placed.lm_head.weight.dtype == torch.float32  # the language model is not the encoder's
+    assert got_f.dtype == got_s.dtype == np.float32 and got_f.shape == ref_f.shape
+    assert _min_cosine(ref_f, got_f) >= COSINE_MIN
+    assert np.abs(ref_s - got_s).max() < SCORES_ABS
+
+
+def test_the_fp16_export_tensorrt_builds_from_runs_in_onnxruntime(
+    model: llava.Llava, artifacts: Path
+) -> None:
+    """The export a strongly typed TensorRT network takes its precision from: fp16 weights, the
+    float32 normalisation constants, uint8 in and float32 out; it agrees with torch float32."""
+    path = encoders.export_onnx(model, artifacts, torch.float16)
+    assert "-fp16" in path.name and model.lm_head.weight.dtype == torch.float32
+    assert model.multi_modal_projector.linear_1.weight.dtype == torch.float32  # a copy was exported
+    graph = onnx.load(str(path)).graph
+    floats = [i.data_type for i in graph.initializer if i.data_type != onnx.TensorProto.INT64]
+    assert floats.count(onnx.TensorProto.FLOAT) == 2  # pixel_scale, pixel_shift
+    assert set(floats) == {onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT}
+    assert [i.type.tensor_type.elem_type for i in graph.input] == [onnx.TensorProto.UINT8]
+    assert {o.type.tensor_type.elem_type for o in graph.output} == {onnx.TensorProto.FLOAT}
+    pixels = _pixels(3, model.cfg.vision.image_size)
+    ref_f, ref_s = encoders.TorchEncoder(model).encode(pixels)
+    got_f, got_s = encoders.OnnxRuntimeEncoder(path).encode(pixels)
+    print(f"fp16 export vs torch float32: min cosine {_min_cosine(ref_f, got_f):.6f}")
+    assert _min_cosine(ref_f, got_f) >= COSINE_MIN
+    assert np.abs(ref_s - got_s).max() < SCORES_ABS
+
+
+def test_the_engine_key_names_everything_an_engine_depends_on() -> None:
+    base = {
+        "digest": "ab" * 32,
+        "precision": "fp16",
+        "profile": PROFILE,
+        "trt_version": "10.13.3.9",
+        "gpu_name": "NVIDIA H100 80GB HBM3",
+        "capability": (9, 0),
+    }
+    changes = [
+        {"digest": "cd" * 32},
+        {"precision": "fp32"},
+        {"profile": Profile(1, 8, 32)},
+        {"profile": Profile(1, 16, 64)},
+        {"trt_version": "11.1.0.4"},
+        {"gpu_name": "NVIDIA A100-SXM4-80GB"},
+        {"capability": (8, 0)},
+    ]
+    key = engine_key(**base)  # type: ignore[arg-type]
+    others = [engine_key(**{**base, **change}) for change in changes]  # type: ignore[arg-type]
+    assert key == engine_key(**base)  # type: ignore[arg-type]
+    assert len({key, *others}) == 1 + len(changes)
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", k) for k in (key, *others))  # a file name
+
+
+@pytest.mark.skipif(bool(_tensorrt_missing()), reason=f"no TensorRT here: {_tensorrt_missing()}")
+def test_tensorrt_matches_torch(model_dir: Path, artifacts: Path) -> None:
+    model = llava.load(model_dir)
+    pixels = _pixels(8, model.cfg.vision.image_size)
     ref, _ = encoders.TorchEncoder(model).encode(pixels)
-    got, _ = TensorRTEncoder(encoders.export_onnx(model, artifacts), artifacts, size).encode(pixels)
-    a, b = ref.reshape(-1, ref.shape[-1]), got.reshape(-1, got.shape[-1])
-    cosine = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
-    assert cosine.min() >= 0.99  # FP16 engine vs FP32 torch
+    trt = encoders.build(
+        "tensorrt", llava.load(model_dir), artifacts, device=CUDA, dtype=torch.float16
+    )
+    assert trt.name == "tensorrt"  # not the fallback
+    got, _ = trt.encode(pixels)
+    assert _min_cosine(ref, got) >= 0.99  # fp16 engine vs float32 torch
+    again = encoders.build("tensorrt", llava.load(model_dir), artifacts, device=CUDA)
+    assert np.array_equal(again.encode(pixels)[0], got)  # the cached engine, same key
 
 
 def test_importance_is_class_token_attention(model: llava.Llava) -> None:
@@ -83,17 +171,22 @@ def test_vision_queue_batches_by_tiles_and_splits_results(model: llava.Llava) ->
 
     def encode(pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         calls.append(pixels.shape[0])
+
+        threads.add(threading.current_thread().name)
         return torch_enc.encode(pixels)
 
-    async def run_inline(fn, *args):  # type: ignore[no-untyped-def]
-        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-
     async def main() -> list[tuple[np.ndarray, np.ndarray]]:
-        queue = VisionQueue(encode, run_inline, max_batch_tiles=4, max_wait_s=0.05)
+        queue = VisionQueue(encode, worker.run, max_batch_tiles=4, max_wait_s=0.05)
         items = [_pixels(1, size, seed=i) for i in range(3)] + [_pixels(2, size, seed=9)]
         return await asyncio.gather(*(queue.encode(p) for p in items))
 
-    results = asyncio.run(main())
+    threads: set[str] = set()
+    worker = EncoderThread()
+    try:
+        results = asyncio.run(main())
+    finally:
+        worker.close()
+    assert len(threads) == 1 and threads.pop().startswith("visor-encoder")
     # 1+1+1 tiles wait; the 2-tile item makes 5 >= 4: the three singles go together (adding the
     # pair would pass the cap, and an item is never split), then the pair.
     assert calls == [3, 2]
