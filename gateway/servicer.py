@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -185,6 +186,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except VisorError as err:
             outcome = err.reason.value
             log.info("request_refused", request_id=request_id, reason=err.reason.value)
+            # gRPC keeps the abort's exception chain after the call; without its traceback it no
+            # longer holds the frames, and with them the request's media.
+            err.__traceback__ = None
             await context.abort_with_status(to_status(err))
         except Exception as exc:  # never leak a traceback or message to the caller
             outcome = Reason.INTERNAL.value
@@ -194,6 +198,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 error_type=type(exc).__name__,
                 where=logs.error_site(exc),
             )
+            exc.__traceback__ = None
             await context.abort_with_status(
                 to_status(VisorError(Reason.INTERNAL, "internal error in the gateway"))
             )
@@ -262,17 +267,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             limits.check_count(lim, len(blobs))
             total = sum(len(b) for b in blobs)
             take(total)
-            while (msg := await self._next(it, deadline)) is not None:
-                if isinstance(msg, Malformed):
-                    raise _not_proto()
-                chunk = msg.chunk
-                if msg.WhichOneof("kind") != "chunk" or chunk.media_index >= len(blobs):
-                    raise VisorError(Reason.INVALID_REQUEST, "upload chunk names no media item")
-                blob = blobs[chunk.media_index]
-                blob += chunk.data
-                total += len(chunk.data)
-                limits.check_bytes(lim, len(blob), total)
-                take(len(chunk.data))
+            try:
+                while (msg := await self._next(it, deadline)) is not None:
+                    if isinstance(msg, Malformed):
+                        raise _not_proto()
+                    chunk = msg.chunk
+                    if msg.WhichOneof("kind") != "chunk" or chunk.media_index >= len(blobs):
+                        raise VisorError(Reason.INVALID_REQUEST, "upload chunk names no media item")
+                    blob = blobs[chunk.media_index]
+                    blob += chunk.data
+                    total += len(chunk.data)
+                    limits.check_bytes(lim, len(blob), total)
+                    take(len(chunk.data))
+            except VisorError as err:
+                blobs.clear()
+                if err.reason is not Reason.DEADLINE_EXCEEDED:  # the client is still sending
+                    await _drain(it, min(DRAIN_S, max(0.0, deadline - time.perf_counter())))
+                raise
         return ask_from_proto(req, [bytes(b) for b in blobs])
 
     async def _next(
@@ -294,6 +305,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 Reason.DEADLINE_EXCEEDED,
                 f"no upload message arrived within upload_idle_timeout_s ({idle:g} s)",
             ) from None
+
+
+# How long a refused upload's remaining messages are read and dropped before the refusal is sent.
+DRAIN_S = 1.0
+
+
+async def _drain(it: AsyncIterator[object], seconds: float) -> None:
+    """Reads and drops what the client is still sending, for a moment. Closing a stream under a
+    client's writes makes gRPC report a reset (INTERNAL, "Internal error from Core") to the
+    client instead of the refusal's status; a client that stops or finishes sending within
+    `seconds` reads the refusal with its reason."""
+    with contextlib.suppress(Exception):  # a timeout, or the client went away
+        async with asyncio.timeout(seconds):
+            async for _ in it:
+                pass
 
 
 def add_to_server(servicer: GatewayServicer, server: grpc.aio.Server) -> None:

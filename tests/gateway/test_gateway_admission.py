@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from shared import procs
 from shared.proto import gateway_pb2
 from tests.conftest import OTHER_KEY, Stack, free_port
 from tests.gateway.test_gateway_hardening import gateway
@@ -264,3 +265,36 @@ def test_requests_total_counts_each_outcome_once(stack: Stack, tmp_path: Path) -
             next(call)  # the first token streamed
             call.cancel()
         assert _counted(metrics, before, {"cancelled": 1}) == {"cancelled": 1}
+
+
+def _rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS"))
+
+
+def test_refused_uploads_get_their_reason_and_do_not_keep_their_bytes(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """An upload refused while the client is still sending gets MEDIA_TOO_LARGE with ErrorInfo
+    (not gRPC's reset of a stream closed under its writes: the gateway drains for a moment), and
+    the refused bytes are freed (the gateway's RSS does not grow by what it refused)."""
+    listen = f"127.0.0.1:{free_port()}"
+    env = {**stack.env, "VISOR_GATEWAY_LISTEN": listen, "VISOR_GATEWAY_DECODE_WORKERS": "1"}
+    proc = procs.start("gateway", env, stack.logs / "visor.toml", tmp_path / "gw.log")
+    piece = bytes(256 * KIB)
+    oversize = [_header(), *[_chunk(piece)] * (24 * 4)]  # 24 MiB against max_item_bytes' 20 MiB
+    try:
+        procs.wait_healthy(listen, proc, timeout_s=60)
+        before = _rss_mb(proc.pid)
+        with grpc.insecure_channel(listen) as channel:
+            for _ in range(2):
+                uploads = [Upload(channel, oversize) for _ in range(8)]
+                outcomes = [u.outcome() for u in uploads]
+                for u in uploads:
+                    u.close()
+                assert [o.reason for o in outcomes] == ["MEDIA_TOO_LARGE"] * 8, outcomes
+        grown = (_rss_mb(proc.pid) - before) / 1024
+    finally:
+        procs.stop(proc)
+    # 16 refusals hold 20 MiB each when their bytes are kept: well over 300 MB.
+    assert grown < 200, f"gateway RSS grew by {grown:.0f} MB"
