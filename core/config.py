@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,7 +81,16 @@ class CacheConfig:
         return key
 
 
-SCHEDULER_POLICIES = ("token-budget", "request-count", "none")
+class Policy(enum.Enum):
+    """How the scheduler batches: `token-budget` is the one to deploy; the other two exist only
+    to be measured against."""
+
+    TOKEN_BUDGET = "token-budget"  # iteration-level batching under a per-step token budget
+    REQUEST_COUNT = "request-count"  # fixed batches of `batch_size`, run to completion
+    NONE = "none"  # one request at a time
+
+
+SCHEDULER_POLICIES = tuple(p.value for p in Policy)
 
 
 @dataclass(frozen=True, slots=True)
