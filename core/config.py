@@ -102,7 +102,7 @@ class SchedulerConfig:
     max_num_seqs: int = 32  # sequences running at once (token-budget)
     batch_size: int = 8  # requests per fixed batch (request-count)
     max_request_tokens: int = 8192  # visual + text + max_new_tokens of one request
-    max_waiting: int = 256  # requests waiting for admission; past it -> OVERLOADED
+    max_waiting: int = 256  # admitted, not yet running (encoding or queued); past it -> OVERLOADED
     max_items: int = 64  # media items per request (the gateway's max_items x max_sampled_frames)
     max_item_tiles: int = 16  # tiles per item, thumbnail included (the gateway sends max_tiles + 1)
     max_stop_strings: int = 16  # stop strings per request (the gateway's own cap is lower)
