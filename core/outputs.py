@@ -58,13 +58,14 @@ class SchedulerOutput:
 
 @dataclass(frozen=True, slots=True)
 class RunnerOutput:
-    """The runner's answer to one `SchedulerOutput`. A request with an error has no token."""
+    """The runner's answer to one `SchedulerOutput`. A request with an error has no token: its
+    reason is INTERNAL, or INVALID_REQUEST when its response format went past the grammar
+    limits while generating."""
 
     sampled: dict[int, int] = field(default_factory=dict)  # seq_id -> token sampled after it
     logprobs: dict[int, SampleLogprobs] = field(default_factory=dict)  # asked for, not for EOS
     grammar_done: frozenset[int] = frozenset()  # its grammar is complete: only EOS could follow
-    errors: dict[int, Reason] = field(default_factory=dict)  # failed alone (INTERNAL, or its
-    # response format past the grammar limits: INVALID_REQUEST)
+    errors: dict[int, Reason] = field(default_factory=dict)  # seq_id -> why it failed alone
 
     @classmethod
     def failed(cls, seq_ids: Iterable[int]) -> RunnerOutput:

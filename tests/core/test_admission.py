@@ -1,7 +1,8 @@
 """The engine on the demo model: admission refuses bad sampling values, stop-string lists and
 header geometry before any compute (a huge declared grid in milliseconds, without allocating
-for it), counts a request at the limit as generation does, and a sequence whose sampling fails
-ends alone while its step-mates finish."""
+for it), counts a request at the limit as generation does, tokenises once (generation runs the
+admitted ids), holds a queue place from admission, and a sequence whose sampling fails ends
+alone while its step-mates finish."""
 
 from __future__ import annotations
 
@@ -192,3 +193,45 @@ def test_a_failing_sequence_ends_alone(engine: Engine, bad: SamplingParams) -> N
     sched = engine.scheduler
     assert not sched.running and not sched.num_waiting
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_generation_runs_the_ids_admission_tokenised(engine: Engine) -> None:
+    """The conversation is tokenised once, at admission: an admitted record whose ids are those
+    of another question answers that question, not a second tokenisation of its turns."""
+    params = SamplingParams(12, 12)
+    mine = _req(params, text="What is it?")
+    other = _req(params, text="Describe the picture in detail.")
+
+    async def go() -> tuple[Result, Result]:
+        other_alone = await _collect(engine, other)
+        swapped = await engine.inputs.admit(mine)
+        their_ids = (await engine.inputs.admit(other)).prompt_ids
+        return other_alone, await _collect(
+            engine, dataclasses.replace(swapped, prompt_ids=their_ids)
+        )
+
+    want, got = asyncio.run(go())
+    assert got.text == want.text and got.text_tokens == want.text_tokens
+
+
+def test_an_admitted_request_holds_its_queue_place_until_it_runs(model_dir: Path) -> None:
+    """Admission takes the place (a request being received and encoded counts as waiting), so
+    past max_waiting the next one is refused before any encoding; leaving gives it back."""
+    one = Engine(model_dir, "queue", scheduler=SchedulerConfig(max_waiting=1))
+    req = _req(SamplingParams(2))
+
+    async def go() -> None:
+        with await one.inputs.admit(req):
+            with pytest.raises(VisorError) as err:
+                await one.inputs.admit(req)
+            assert err.value.reason == Reason.OVERLOADED
+        with await one.inputs.admit(req) as again:  # given back when the first left
+            result = await _collect(one, again)
+            assert result.output_tokens == 2
+        with await one.inputs.admit(req):  # it reached the scheduler and finished: free again
+            pass
+
+    try:
+        asyncio.run(go())
+    finally:
+        one.close()
