@@ -64,7 +64,7 @@ class RunnerOutput:
 
     sampled: dict[int, int] = field(default_factory=dict)  # seq_id -> token sampled after it
     logprobs: dict[int, SampleLogprobs] = field(default_factory=dict)  # asked for, not for EOS
-    grammar_done: frozenset[int] = frozenset()  # its grammar is complete: only EOS could follow
+    grammar_done: frozenset[int] = frozenset()  # grammar complete: only EOS follows (or it came)
     errors: dict[int, Reason] = field(default_factory=dict)  # seq_id -> why it failed alone
 
     @classmethod

@@ -45,7 +45,7 @@ class _RequestState:
 class _Sampled:
     token: int  # the sampled id
     logprobs: SampleLogprobs | None  # when asked for (never for EOS)
-    grammar_done: bool  # its grammar is complete after this token
+    grammar_done: bool  # its grammar is complete after this token (or accepted EOS)
 
 
 class ModelRunner:
@@ -161,9 +161,9 @@ class ModelRunner:
             if matcher is None or bool(torch.isfinite(held).any()):
                 logits = held
         token = sample(logits, params, state.gen)
-        if token in self.eos_ids:
+        if token in self.eos_ids:  # only where the grammar, if any, is complete
             state.token_ids.append(token)
-            return _Sampled(token, None, False)
+            return _Sampled(token, None, matcher is not None)
         if matcher is not None and not matcher.consume_token(token):
             raise ValueError("a sampled token outside its grammar's mask")
         state.token_ids.append(token)

@@ -17,9 +17,9 @@ recomputed (its prefix is usually still in the cache, so recomputation is cheap)
 A step on vLLM v1's lines: `schedule()` decides and allocates blocks, the model runner runs the
 `SchedulerOutput`, and `update()` appends the sampled tokens and ends a request on EOS, a complete
 grammar, its length or a failure the runner reports. `update` and `finish_requests` (aborts from
-outside a step) are the only places a request finishes or frees its blocks. `min_new_tokens` is
-the runner's to enforce: it holds EOS back until then (unless the grammar allows nothing else),
-so an EOS that arrives always ends the request.
+outside a step) are the only places a request finishes or frees its blocks. The runner holds EOS
+back until `min_new_tokens` (unless the grammar allows nothing else, when it reports the grammar
+complete); an EOS before then without that is a runner bug, and ends the request as INTERNAL.
 
 Block bookkeeping lives in `KVCacheManager`; this module only decides. It holds no tensors and
 never imports torch: scheduler tests run with no model.
@@ -126,9 +126,7 @@ class Scheduler:
         size = self.kv.block_size
         for chunk in out.chunks:
             seq = self._requests[chunk.seq_id]
-            failure = result.errors.get(seq.seq_id)
-            if failure is None and chunk.sample and seq.seq_id not in result.sampled:
-                failure = Reason.INTERNAL  # the runner owes a sampling chunk a token or an error
+            failure = self._failure(seq, chunk, result)
             if failure is not None:
                 self._finish(seq, RequestStatus.FINISHED_ABORTED)
                 outputs.append(
@@ -141,6 +139,22 @@ class Scheduler:
             if chunk.sample:
                 outputs.append(self._append(seq, result.sampled[seq.seq_id], result))
         return outputs
+
+    def _failure(self, seq: Sequence, chunk: ScheduledChunk, result: RunnerOutput) -> Reason | None:
+        """Why `seq` ends failed this step: its error in the runner, or an answer that breaks
+        the runner's side of the step (no token for a sampling chunk; EOS before
+        min_new_tokens while its grammar, if any, allowed more), ended as INTERNAL rather
+        than run on."""
+        failure = result.errors.get(seq.seq_id)
+        if failure is not None or not chunk.sample:
+            return failure
+        token = result.sampled.get(seq.seq_id)
+        if token is None:
+            return Reason.INTERNAL
+        early = seq.num_output_tokens < seq.params.min_new_tokens
+        if token in self.eos_ids and early and seq.seq_id not in result.grammar_done:
+            return Reason.INTERNAL
+        return None
 
     def _append(self, seq: Sequence, token: int, result: RunnerOutput) -> EngineOutput:
         seq.token_ids.append(token)

@@ -98,6 +98,27 @@ def test_length_and_a_complete_grammar_end_a_request() -> None:
     assert not sched.running and sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
+def test_eos_before_min_new_tokens_ends_only_where_the_grammar_allowed_it() -> None:
+    """The runner holds EOS back until min_new_tokens unless the grammar allows nothing else
+    (then it reports the grammar complete): an early EOS with that is a stop, one without it
+    breaks the runner's side of the step and ends the request as INTERNAL."""
+    sched = _scheduler()
+    _add(sched, 0, min_new_tokens=3)
+    _add(sched, 1, min_new_tokens=3)
+    out = sched.schedule()
+    got = sched.update(out, RunnerOutput({0: EOS, 1: EOS}, grammar_done=frozenset({0})))
+    assert [(o.seq_id, o.status, o.failure) for o in got] == [
+        (0, RequestStatus.FINISHED_STOPPED, None),
+        (1, RequestStatus.FINISHED_ABORTED, Reason.INTERNAL),
+    ]
+    _add(sched, 2, min_new_tokens=1)
+    statuses = []
+    for token in (5, EOS):  # from the second token on, EOS is a plain stop
+        out = sched.schedule()
+        statuses += [o.status for o in sched.update(out, RunnerOutput({2: token}))]
+    assert statuses == [RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED]
+
+
 def test_a_runner_error_ends_its_request_alone() -> None:
     sched = _scheduler()
     _add(sched, 0)
