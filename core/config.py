@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +89,16 @@ class CacheConfig:
         return key
 
 
-SCHEDULER_POLICIES = ("token-budget", "request-count", "none")
+class Policy(enum.Enum):
+    """How the scheduler batches: `token-budget` is the one to deploy; the other two exist only
+    to be measured against."""
+
+    TOKEN_BUDGET = "token-budget"  # iteration-level batching under a per-step token budget
+    REQUEST_COUNT = "request-count"  # fixed batches of `batch_size`, run to completion
+    NONE = "none"  # one request at a time
+
+
+SCHEDULER_POLICIES = tuple(p.value for p in Policy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +110,7 @@ class SchedulerConfig:
     max_num_seqs: int = 32  # sequences running at once (token-budget)
     batch_size: int = 8  # requests per fixed batch (request-count)
     max_request_tokens: int = 8192  # visual + text + max_new_tokens of one request
-    max_waiting: int = 256  # requests waiting for admission; past it -> OVERLOADED
+    max_waiting: int = 256  # admitted, not yet running (encoding or queued); past it -> OVERLOADED
     max_items: int = 64  # media items per request (the gateway's max_items x max_sampled_frames)
     max_item_tiles: int = 16  # tiles per item, thumbnail included (the gateway sends max_tiles + 1)
     max_stop_strings: int = 16  # stop strings per request (the gateway's own cap is lower)

@@ -14,33 +14,36 @@ When a sequence needs a block and none is free, the most recently admitted runni
 preempted: its blocks go back to the pool and it waits at the front of the queue, to be
 recomputed (its prefix is usually still in the cache, so recomputation is cheap).
 
-Block bookkeeping lives in `KVCacheManager`; this module only decides.
+A step on vLLM v1's lines: `schedule()` decides and allocates blocks, the model runner runs the
+`SchedulerOutput`, and `update()` appends the sampled tokens and ends a request on EOS, a complete
+grammar, its length or a failure the runner reports. `update` and `finish_requests` (aborts from
+outside a step) are the only places a request finishes or frees its blocks. The runner holds EOS
+back until `min_new_tokens` (unless the grammar allows nothing else, when it reports the grammar
+complete); an EOS before then without that is a runner bug, and ends the request as INTERNAL.
+
+Block bookkeeping lives in `KVCacheManager`; this module only decides. It holds no tensors and
+never imports torch: scheduler tests run with no model.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from core.config import Policy, SchedulerConfig
 from core.kv_cache import Block, KVCacheManager
-from core.model.paged import TILE
+from core.outputs import (
+    EngineOutput,
+    NewRequestData,
+    RunnerOutput,
+    ScheduledChunk,
+    SchedulerOutput,
+)
 from core.sequence import RequestStatus, Sequence
-
-POLICIES = ("token-budget", "request-count", "none")
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
-    seq: Sequence  # who runs
-    num_new_tokens: int  # how many of its tokens run this step
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerOutput:
-    chunks: tuple[ScheduledChunk, ...]  # in execution order
-    num_batched_tokens: int  # sum of num_new_tokens
-    preempted: tuple[Sequence, ...]  # lost their blocks this step
+from shared.errors import Reason
 
 
 @dataclass(slots=True)
@@ -52,31 +55,30 @@ class _Plan:
 
 class Scheduler:
     def __init__(
-        self,
-        kv: KVCacheManager,
-        policy: str,
-        max_batch_tokens: int,
-        max_num_seqs: int,
-        batch_size: int,
-        chunked_prefill: bool,
-        max_prefill_chunk: int,
-        decode_step_tokens: int = 0,
+        self, config: SchedulerConfig, num_blocks: int, eos_ids: Iterable[int], tile: int
     ) -> None:
-        self.kv = kv
-        self.policy = policy
-        self.max_batch_tokens = max_batch_tokens if policy == "token-budget" else sys.maxsize
-        self.max_num_seqs = {"token-budget": max_num_seqs, "request-count": batch_size}.get(
-            policy, 1
-        )
-        self.token_budget = policy == "token-budget"  # the baselines stay first come, first served
-        self.decode_step_tokens = decode_step_tokens if self.token_budget else 0
+        """`tile`: prefill chunks end on multiples of it (the runner's batch-invariant tile)."""
+        self.policy = Policy(config.policy)
+        self.token_budget = self.policy is Policy.TOKEN_BUDGET  # the baselines stay FIFO
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.prefix_caching)
+        self.eos_ids = frozenset(eos_ids)
+        self.tile = tile
+        self.max_batch_tokens = config.max_batch_tokens if self.token_budget else sys.maxsize
+        self.max_num_seqs = {
+            Policy.TOKEN_BUDGET: config.max_num_seqs,
+            Policy.REQUEST_COUNT: config.batch_size,
+        }.get(self.policy, 1)
+        self.decode_step_tokens = config.decode_step_tokens if self.token_budget else 0
+        self.chunked_prefill = config.chunked_prefill and self.token_budget
+        self.max_prefill_chunk = config.max_prefill_chunk if self.chunked_prefill else sys.maxsize
         self.clock = 0  # tokens scheduled so far: a request's age is measured in them
-        self.chunked_prefill = chunked_prefill and policy == "token-budget"
-        self.max_prefill_chunk = max_prefill_chunk if self.chunked_prefill else sys.maxsize
         self.running: list[Sequence] = []
         self._preempted: deque[Sequence] = deque()  # served before any tenant queue
         self._waiting: dict[str, deque[Sequence]] = {}  # per tenant, FIFO
         self._turns: deque[str] = deque()  # tenants with waiting requests, next one first
+        self._requests: dict[int, Sequence] = {}  # every unfinished request, by seq_id
+        self._inputs: dict[int, NewRequestData] = {}  # for the runner, until first scheduled
+        self._finished_ids: list[int] = []  # finished since the last schedule()
         self.num_preemptions = 0
 
     @property
@@ -84,10 +86,13 @@ class Scheduler:
         return len(self._preempted) + sum(len(q) for q in self._waiting.values())
 
     def has_work(self) -> bool:
-        return bool(self.running) or self.num_waiting > 0
+        """Requests to run, or finished ones the runner has not heard of yet."""
+        return bool(self.running or self._finished_ids) or self.num_waiting > 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, inputs: NewRequestData) -> None:
         seq.arrival_clock = self.clock
+        self._requests[seq.seq_id] = seq
+        self._inputs[seq.seq_id] = inputs
         if seq.tenant not in self._waiting:
             self._waiting[seq.tenant] = deque()
             self._turns.append(seq.tenant)
@@ -96,26 +101,85 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         plan = _Plan(self.max_batch_tokens)
         self._schedule_running(plan)
-        if not plan.preempted and (self.policy == "token-budget" or not plan.chunks):
+        if not plan.preempted and (self.token_budget or not plan.chunks):
             self._admit(plan)
-        chunks = tuple(ScheduledChunk(s, n) for s, n in plan.chunks.items())
+        now = time.perf_counter()
+        new, chunks = [], []
+        for seq, n in plan.chunks.items():
+            inputs = self._inputs.pop(seq.seq_id, None)
+            if inputs is not None:
+                new.append(inputs)
+                seq.first_scheduled = now
+            start = seq.num_computed_tokens
+            blocks = tuple(b.block_id for b in self.kv.tables[seq.seq_id])
+            chunks.append(ScheduledChunk(seq.seq_id, start, n, blocks, start + n == seq.num_tokens))
         num_tokens = sum(plan.chunks.values())
         self.clock += num_tokens
-        return SchedulerOutput(chunks, num_tokens, tuple(plan.preempted))
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        preempted = tuple(s.seq_id for s in plan.preempted)
+        return SchedulerOutput(tuple(new), tuple(chunks), num_tokens, preempted, finished)
 
-    def update(self, out: SchedulerOutput) -> None:
-        """Records a finished step: progress, and the blocks that became full."""
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[EngineOutput]:
+        """Records a step the runner ran: progress, the blocks that became full, each sampled
+        token; finishes a request on EOS, a complete grammar, its length, or its failure."""
+        outputs = []
         size = self.kv.block_size
         for chunk in out.chunks:
-            seq = chunk.seq
-            if seq.status != RequestStatus.RUNNING:
-                continue  # finished or aborted while the step ran
-            seq.num_computed_tokens += chunk.num_new_tokens
+            seq = self._requests[chunk.seq_id]
+            failure = self._failure(seq, chunk, result)
+            if failure is not None:
+                self._finish(seq, RequestStatus.FINISHED_ABORTED)
+                outputs.append(
+                    EngineOutput(seq.seq_id, None, None, seq.num_output_tokens, seq.status, failure)
+                )
+                continue
+            seq.num_computed_tokens += chunk.num_tokens
             full = seq.num_computed_tokens // size
             self.kv.register_full_blocks(seq.seq_id, seq.hashes_upto(full, size))
+            if chunk.sample:
+                outputs.append(self._append(seq, result.sampled[seq.seq_id], result))
+        return outputs
 
-    def finish(self, seq: Sequence, status: RequestStatus) -> None:
-        """Ends a sequence (stopped, length or aborted) and frees its blocks at once."""
+    def _failure(self, seq: Sequence, chunk: ScheduledChunk, result: RunnerOutput) -> Reason | None:
+        """Why `seq` ends failed this step: its error in the runner, or an answer that breaks
+        the runner's side of the step (no token for a sampling chunk; EOS before
+        min_new_tokens while its grammar, if any, allowed more), ended as INTERNAL rather
+        than run on."""
+        failure = result.errors.get(seq.seq_id)
+        if failure is not None or not chunk.sample:
+            return failure
+        token = result.sampled.get(seq.seq_id)
+        if token is None:
+            return Reason.INTERNAL
+        early = seq.num_output_tokens < seq.params.min_new_tokens
+        if token in self.eos_ids and early and seq.seq_id not in result.grammar_done:
+            return Reason.INTERNAL
+        return None
+
+    def _append(self, seq: Sequence, token: int, result: RunnerOutput) -> EngineOutput:
+        seq.token_ids.append(token)
+        if seq.num_output_tokens == 1:
+            seq.first_token = time.perf_counter()
+        eos = token in self.eos_ids
+        if eos or seq.seq_id in result.grammar_done:
+            self._finish(seq, RequestStatus.FINISHED_STOPPED)
+        elif seq.num_output_tokens >= seq.params.max_new_tokens:
+            self._finish(seq, RequestStatus.FINISHED_LENGTH)
+        if eos:  # ends the request without being streamed
+            return EngineOutput(seq.seq_id, None, None, seq.num_output_tokens, seq.status)
+        lp = result.logprobs.get(seq.seq_id)
+        return EngineOutput(seq.seq_id, token, lp, seq.num_output_tokens, seq.status)
+
+    def finish_requests(self, seq_ids: Iterable[int], status: RequestStatus) -> None:
+        """Ends requests from outside a step (their caller went away, or a stop string matched
+        on the caller's side); ids already finished are ignored."""
+        for seq_id in seq_ids:
+            seq = self._requests.get(seq_id)
+            if seq is not None:
+                self._finish(seq, status)
+
+    def _finish(self, seq: Sequence, status: RequestStatus) -> None:
+        """Frees the blocks at once; the runner drops the request's state at the next step."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self._preempted:
@@ -125,6 +189,9 @@ class Scheduler:
             self._drop_idle_tenant(seq.tenant)
         self.kv.free(seq.seq_id)
         seq.status = status
+        del self._requests[seq.seq_id]
+        self._inputs.pop(seq.seq_id, None)
+        self._finished_ids.append(seq.seq_id)
 
     def _num_new(self, seq: Sequence, computed: int, budget: int) -> int:
         """Tokens `seq` may run now: the rest of its prompt, a chunk of it ending on a tile
@@ -137,7 +204,7 @@ class Scheduler:
             return remaining
         if not self.chunked_prefill:
             return 0
-        return max(0, (computed + budget) // TILE * TILE - computed)
+        return max(0, (computed + budget) // self.tile * self.tile - computed)
 
     def _prefill_order(self, seq: Sequence) -> tuple[int, int]:
         """Earliest deadline first; a prompt's deadline is its arrival plus its length, both on

@@ -1,16 +1,14 @@
-"""One request's state inside the scheduler: tokens, progress, and its generation state. Written
-only on the model thread (the caller's side reads its timestamps once a token has arrived)."""
+"""One request's state inside the scheduler (ids, parameters, status, progress, block hashes),
+and the events a request's stream receives. No tensors, generator, grammar matcher or event sink:
+those live with the model runner and the engine, keyed by `seq_id`. Written only on the model
+thread (the caller's side reads its timestamps once a token has arrived)."""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from core.kv_cache import ImageSpan, hash_block
-from core.structured import Grammar
 from core.types import SamplingParams
 from shared.errors import Reason
 
@@ -75,11 +73,8 @@ class Sequence:
     salt: bytes  # tenant salt of the block hashes
     token_ids: list[int]  # prompt then outputs
     num_prompt_tokens: int  # prompt length
-    prompt_embeds: torch.Tensor  # (num_prompt_tokens, hidden), images already in place
     spans: tuple[ImageSpan, ...]  # where images sit in the prompt
     params: SamplingParams  # generation controls
-    gen: torch.Generator  # sampling randomness
-    sink: Callable[[Event], None]  # delivers events to the caller's event loop
     arrival: float  # perf_counter at submission
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # positions whose KV is in the cache
@@ -89,7 +84,6 @@ class Sequence:
     first_token: float = 0.0  # perf_counter of its first output token
     num_preemptions: int = 0  # times it lost its blocks
     arrival_clock: int = 0  # the scheduler's token clock when it was added
-    grammar: Grammar | None = None  # compiled response format (shared, read-only); None = free
 
     @property
     def num_tokens(self) -> int:
@@ -113,15 +107,3 @@ class Sequence:
                 hash_block(parent, tokens, self.spans, i * block_size, self.salt)
             )
         return self.block_hashes[:num_blocks]
-
-    def embeds(
-        self, start: int, num: int, embed: Callable[[list[int]], torch.Tensor]
-    ) -> torch.Tensor:
-        """Input embeddings of positions start..start+num (prompt rows, then output tokens)."""
-        end = start + num
-        parts = []
-        if start < self.num_prompt_tokens:
-            parts.append(self.prompt_embeds[start : min(end, self.num_prompt_tokens)])
-        if end > self.num_prompt_tokens:
-            parts.append(embed(self.token_ids[max(start, self.num_prompt_tokens) : end]))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -4,16 +4,18 @@ order of the Infer handshake."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 import numpy as np
 
 from core import compression, metrics
 from core.cache import Entry
-from core.engine import Engine, num_tiles
+from core.engine import Engine
 from core.features import FeatureService
+from core.input_processor import Admitted, num_tiles
 from core.model.tokenizer import ChatTurn
 from core.types import CachePolicy, Delta, InferRequest, ItemSpec, Result, SamplingParams
 from shared import logs, tracing
@@ -116,8 +118,18 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
         if first is None or first.WhichOneof("kind") != "header":
             raise VisorError(Reason.INVALID_REQUEST, "the first Infer message must be a header")
         req = request_from_proto(first.header)
-        self.engine.check_request(req)
-        await self.engine.grammars.admit(req.params.response_format)  # before any compute
+        with await self.engine.inputs.admit(req) as admitted:  # every check, before any compute
+            async with contextlib.aclosing(self._serve(messages, admitted, timings)) as events:
+                async for event in events:
+                    yield event
+
+    async def _serve(
+        self,
+        messages: AsyncIterator[core_pb2.CoreMessage],
+        admitted: Admitted,
+        timings: tracing.Stages,
+    ) -> AsyncGenerator[core_pb2.CoreEvent, None]:
+        req = admitted.req
         chosen = compression.profile(req.profile)
         _note_request(req, chosen.name)  # a known profile's name, never the caller's string
         t0 = time.perf_counter()
@@ -147,7 +159,7 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
         # Prefix reuse names each item's tokens by its feature-cache key and the profile that
         # shaped them; the engine salts block hashes with the tenant as well.
         content = [k.encode() + b"\x1f" + chosen.name.encode() for k in keys]
-        async for out in self.engine.generate(req, features, timings, before, content):
+        async for out in self.engine.generate(admitted, features, timings, before, content):
             if isinstance(out, Delta):
                 yield core_pb2.CoreEvent(delta=_delta(out))
             else:

@@ -1,7 +1,8 @@
 """The engine on the demo model: admission refuses bad sampling values, stop-string lists and
 header geometry before any compute (a huge declared grid in milliseconds, without allocating
-for it), counts a request at the limit as generation does, and a sequence whose sampling fails
-ends alone while its step-mates finish."""
+for it), counts a request at the limit as generation does, tokenises once (generation runs the
+admitted ids), holds a queue place from admission, and a sequence whose sampling fails ends
+alone while its step-mates finish."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from core import compression
 from core.config import SchedulerConfig
 from core.engine import Engine
+from core.input_processor import Admitted
 from core.model.tokenizer import ChatTurn
 from core.types import InferRequest, ItemSpec, Result, SamplingParams
 from shared.errors import Reason, VisorError
@@ -46,7 +48,7 @@ def _req(
 
 def _refused(engine: Engine, req: InferRequest) -> VisorError:
     with pytest.raises(VisorError) as info:
-        engine.check_request(req)
+        engine.inputs.check(req)
     return info.value
 
 
@@ -72,7 +74,7 @@ def test_bad_sampling_values_are_refused_at_the_core(
 
 
 def test_tiny_temperature_is_admitted(engine: Engine) -> None:
-    engine.check_request(_req(SamplingParams(8, temperature=1e-38, top_k=1000)))
+    engine.inputs.check(_req(SamplingParams(8, temperature=1e-38, top_k=1000)))
 
 
 def test_a_huge_declared_grid_is_refused_in_milliseconds(engine: Engine) -> None:
@@ -138,7 +140,7 @@ def test_a_request_exactly_at_the_limit_is_admitted_and_served(
     probe.close()
     exact = Engine(model_dir, "exact", scheduler=SchedulerConfig(max_request_tokens=need))
     try:
-        exact.check_request(req)
+        exact.inputs.check(req)
 
         async def run() -> Result:
             outs = [o async for o in exact.generate(req, [compressed], {})]
@@ -146,13 +148,13 @@ def test_a_request_exactly_at_the_limit_is_admitted_and_served(
             return outs[-1]
 
         assert asyncio.run(run()).output_tokens == 4
-        exact.max_request_tokens = need - 1  # the same engine, one token less of room
+        exact.inputs.max_request_tokens = need - 1  # the same engine, one token less of room
         assert _refused(exact, req).reason == Reason.TOKEN_BUDGET
     finally:
         exact.close()
 
 
-async def _collect(engine: Engine, req: InferRequest) -> Result:
+async def _collect(engine: Engine, req: InferRequest | Admitted) -> Result:
     result = None
     async for out in engine.generate(req, [], {}):
         if isinstance(out, Result):
@@ -170,14 +172,17 @@ async def _collect(engine: Engine, req: InferRequest) -> Result:
     ],
 )
 def test_a_failing_sequence_ends_alone(engine: Engine, bad: SamplingParams) -> None:
-    """Submitted straight to the engine (admission would refuse it), a bad sampling value fails
-    its own request with INTERNAL; the request sharing its steps finishes as it would alone."""
+    """Past admission (which would refuse it), a bad sampling value fails its own request with
+    INTERNAL in the runner; the request sharing its steps finishes as it would alone."""
     good = _req(SamplingParams(24, 24), text="Describe the picture in detail.")
     alone = asyncio.run(_collect(engine, good))
 
     async def together() -> list[Result | BaseException]:
         bad_req = dataclasses.replace(_req(bad), request_id="bad")
-        jobs = [_collect(engine, good), _collect(engine, bad_req), _collect(engine, good)]
+        # Admitted with sound values, then given the bad ones, as if a check had let them by.
+        sound = await engine.inputs.admit(dataclasses.replace(bad_req, params=SamplingParams(6)))
+        smuggled = dataclasses.replace(sound, req=bad_req)
+        jobs = [_collect(engine, good), _collect(engine, smuggled), _collect(engine, good)]
         return await asyncio.gather(*jobs, return_exceptions=True)
 
     first, failed, second = asyncio.run(together())
@@ -185,6 +190,48 @@ def test_a_failing_sequence_ends_alone(engine: Engine, bad: SamplingParams) -> N
     for out in (first, second):
         assert isinstance(out, Result), out
         assert (out.text, out.output_tokens) == (alone.text, 24)
-    assert not engine.scheduler.has_work() and engine.kv_manager.num_free_blocks == (
-        engine.kv_manager.num_blocks
-    )
+    sched = engine.scheduler
+    assert not sched.running and not sched.num_waiting
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_generation_runs_the_ids_admission_tokenised(engine: Engine) -> None:
+    """The conversation is tokenised once, at admission: an admitted record whose ids are those
+    of another question answers that question, not a second tokenisation of its turns."""
+    params = SamplingParams(12, 12)
+    mine = _req(params, text="What is it?")
+    other = _req(params, text="Describe the picture in detail.")
+
+    async def go() -> tuple[Result, Result]:
+        other_alone = await _collect(engine, other)
+        swapped = await engine.inputs.admit(mine)
+        their_ids = (await engine.inputs.admit(other)).prompt_ids
+        return other_alone, await _collect(
+            engine, dataclasses.replace(swapped, prompt_ids=their_ids)
+        )
+
+    want, got = asyncio.run(go())
+    assert got.text == want.text and got.text_tokens == want.text_tokens
+
+
+def test_an_admitted_request_holds_its_queue_place_until_it_runs(model_dir: Path) -> None:
+    """Admission takes the place (a request being received and encoded counts as waiting), so
+    past max_waiting the next one is refused before any encoding; leaving gives it back."""
+    one = Engine(model_dir, "queue", scheduler=SchedulerConfig(max_waiting=1))
+    req = _req(SamplingParams(2))
+
+    async def go() -> None:
+        with await one.inputs.admit(req):
+            with pytest.raises(VisorError) as err:
+                await one.inputs.admit(req)
+            assert err.value.reason == Reason.OVERLOADED
+        with await one.inputs.admit(req) as again:  # given back when the first left
+            result = await _collect(one, again)
+            assert result.output_tokens == 2
+        with await one.inputs.admit(req):  # it reached the scheduler and finished: free again
+            pass
+
+    try:
+        asyncio.run(go())
+    finally:
+        one.close()

@@ -154,7 +154,7 @@ def test_bad_logprob_values_are_refused_at_the_core(
     params = SamplingParams(8, logprobs=logprobs, top_logprobs=top)
     req = InferRequest("t", "r", (ChatTurn("user", "hi", 0),), params, (), "none")
     with pytest.raises(VisorError) as info:
-        engine.check_request(req)
+        engine.inputs.check(req)
     assert info.value.reason == Reason.INVALID_REQUEST and names in info.value.message
     check_logprobs(True, 20)  # the edge is admitted
 

@@ -184,7 +184,7 @@ def test_token_budget_is_refused_before_any_compute(model_dir: Path) -> None:
         assert err.value.reason == Reason.TOKEN_BUDGET
         assert engine.kv_manager.num_queried_tokens == 0  # never reached the scheduler
         with pytest.raises(VisorError) as err2:
-            engine.check_request(dataclasses.replace(big, turns=(ChatTurn("user", "x" * 400, 0),)))
+            engine.inputs.check(dataclasses.replace(big, turns=(ChatTurn("user", "x" * 400, 0),)))
         assert err2.value.reason == Reason.TOKEN_BUDGET
     finally:
         engine.close()

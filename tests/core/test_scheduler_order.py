@@ -4,56 +4,47 @@ which prefills and decodes share steps can be checked exactly."""
 
 from __future__ import annotations
 
-import torch
-
-from core.kv_cache import KVCacheManager
+from core.config import SchedulerConfig
+from core.outputs import NewRequestData, RunnerOutput
 from core.scheduler import Scheduler
-from core.sequence import RequestStatus, Sequence
+from core.sequence import Sequence
 from core.types import SamplingParams
 
 
 def _scheduler(decode_step_tokens: int) -> Scheduler:
-    kv = KVCacheManager(num_blocks=1024, block_size=16, enable_prefix_caching=False)
-    return Scheduler(kv, "token-budget", 256, 32, 8, True, 256, decode_step_tokens)
-
-
-def _seq(seq_id: int, prompt: int, new: int) -> Sequence:
-    return Sequence(
-        seq_id=seq_id,
-        tenant="t",
-        salt=b"",
-        token_ids=list(range(1, prompt + 1)),
-        num_prompt_tokens=prompt,
-        prompt_embeds=torch.empty(0),
-        spans=(),
-        params=SamplingParams(max_new_tokens=new),
-        gen=torch.Generator(),
-        sink=lambda event: None,
-        arrival=0.0,
+    cfg = SchedulerConfig(
+        max_batch_tokens=256,
+        max_prefill_chunk=256,
+        decode_step_tokens=decode_step_tokens,
+        prefix_caching=False,
     )
+    return Scheduler(cfg, num_blocks=1024, eos_ids={2}, tile=16)
+
+
+def _add(sched: Scheduler, seq_id: int, prompt: int, new: int) -> None:
+    params = SamplingParams(max_new_tokens=new)
+    ids = list(range(3, prompt + 3))  # never the EOS id
+    seq = Sequence(seq_id, "t", b"", ids, prompt, (), params, arrival=0.0)
+    sched.add(seq, NewRequestData(seq_id, tuple(ids), (), params, 0, None))
 
 
 def _step(sched: Scheduler) -> dict[int, int]:
-    """One step: the scheduled tokens per seq_id; a sequence whose prompt is in gains a token
-    and finishes at its max_new_tokens, as the runner does."""
+    """One step: the scheduled tokens per seq_id; every chunk that reaches its sequence's newest
+    token samples a token (never EOS), and the scheduler finishes it at max_new_tokens."""
     out = sched.schedule()
-    sched.update(out)
-    for chunk in out.chunks:
-        seq = chunk.seq
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(0)
-            if seq.num_output_tokens >= seq.params.max_new_tokens:
-                sched.finish(seq, RequestStatus.FINISHED_LENGTH)
-    return {c.seq.seq_id: c.num_new_tokens for c in out.chunks}
+    sched.update(out, RunnerOutput({c.seq_id: 7 for c in out.chunks if c.sample}))
+    return {c.seq_id: c.num_tokens for c in out.chunks}
 
 
 def _run(decode_step_tokens: int) -> list[dict[int, int]]:
     sched = _scheduler(decode_step_tokens)
-    sched.add(_seq(0, prompt=32, new=5))  # a short question, nearly done once it decodes
-    sched.add(_seq(1, prompt=1024, new=5))  # a long visual prompt
+    _add(sched, 0, prompt=32, new=5)  # a short question, nearly done once it decodes
+    _add(sched, 1, prompt=1024, new=5)  # a long visual prompt
     steps = []
     while sched.has_work():
-        steps.append(_step(sched))
+        step = _step(sched)
+        if step:  # not a step that only tells the runner who finished
+            steps.append(step)
     return steps
 
 
@@ -77,10 +68,10 @@ def test_a_yielding_prefill_runs_once_it_has_waited_its_own_size() -> None:
     """A stream of short requests always has a decoder one step from done; the long prefill
     still runs once it is past its deadline (arrival + length on the engine's token clock)."""
     sched = _scheduler(decode_step_tokens=32)
-    sched.add(_seq(0, prompt=512, new=1))
+    _add(sched, 0, prompt=512, new=1)
     first_run = None
     for i in range(1, 200):
-        sched.add(_seq(i, prompt=16, new=3))
+        _add(sched, i, prompt=16, new=3)
         if 0 in _step(sched) and i > 1:
             first_run = i
             break

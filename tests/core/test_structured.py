@@ -54,6 +54,18 @@ def _run(engine: Engine, *params: SamplingParams) -> list[Result]:
     return asyncio.run(go())
 
 
+async def _matchers_left(engine: Engine) -> dict[int, llguidance.LLMatcher]:
+    """The runner's matchers, read on the model thread once they are gone or after 2 s: the
+    runner drops a request's state at the step after the scheduler finished it (an abort runs
+    on the model thread between two steps)."""
+    for _ in range(200):
+        left = await engine.run(lambda: engine.runner.matchers)
+        if not left:
+            break
+        await asyncio.sleep(0.01)
+    return left
+
+
 def _fmt(kind: str, text: str) -> ResponseFormat:
     return ResponseFormat(kind, text)
 
@@ -132,12 +144,12 @@ def test_a_format_over_the_grammar_limits_is_refused(model_dir: Path) -> None:
 
 
 def test_admission_caps_the_format_size(engine: Engine) -> None:
-    big = _fmt("regex", "a" * (engine.max_format_bytes + 1))
+    big = _fmt("regex", "a" * (engine.inputs.max_format_bytes + 1))
     req = InferRequest(
         "t", "r", (ChatTurn("user", "hi", 0),), SamplingParams(4, response_format=big), (), ""
     )
     with pytest.raises(VisorError, match="max_format_bytes") as err:
-        engine.check_request(req)
+        engine.inputs.check(req)
     assert err.value.reason == Reason.INVALID_REQUEST
 
 
@@ -158,7 +170,7 @@ def test_constrained_and_free_rows_share_steps_and_only_the_constrained_is_maske
     answer = json.loads(together[1].text)
     assert set(answer) == {"n"} and 0 <= answer["n"] <= 999
     assert together[1].finish_reason == "stop"
-    assert engine.runner.matchers == {}  # freed once the sequences left
+    assert asyncio.run(_matchers_left(engine)) == {}  # freed once the sequences left
 
 
 def test_a_complete_grammar_stops_without_an_eos_token(engine: Engine) -> None:
@@ -189,13 +201,9 @@ def test_a_cancelled_constrained_request_frees_its_matcher(engine: Engine) -> No
             if isinstance(out, Delta):
                 break
         await stream.aclose()  # type: ignore[attr-defined]
-        for _ in range(200):  # the abort runs on the model thread between two steps
-            if not engine.runner.matchers:
-                return
-            await asyncio.sleep(0.01)
+        assert await _matchers_left(engine) == {}
 
     asyncio.run(go())
-    assert engine.runner.matchers == {}
 
 
 def test_a_matcher_copy_starts_fresh_each_time(engine: Engine) -> None:

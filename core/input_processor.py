@@ -1,0 +1,212 @@
+"""The input processor (event loop side, as in vLLM v1): every admission check of a request,
+once, before any compute, in time that does not depend on what the header declares.
+
+It checks the sampling values, stop strings, logprob and format controls, the items' count and
+declared geometry; tokenises the conversation once (one id per image slot); counts each item's
+visual tokens from its declared grid with the arithmetic compression itself uses
+(`compression.visual_tokens`), so a request at the limit is admitted and one token over is
+refused before encoding; checks the request's total against the per-request cap (TOKEN_BUDGET);
+takes a place in the scheduler's queue (OVERLOADED past `max_waiting`); and compiles the response
+format on a worker thread. The `Admitted` record serves both the servicer's check before encoding
+and generation, which only expands the image slots to the visual tokens the features brought.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass
+from types import TracebackType
+
+from core import compression
+from core.config import SchedulerConfig
+from core.kv_cache import ImageSpan
+from core.model.tokenizer import ChatTokenizer
+from core.structured import Grammar, GrammarCompiler
+from core.types import CoreInfo, InferRequest, ItemSpec
+from shared.errors import Reason, VisorError
+from shared.sampling import check_logprobs, check_response_format, check_sampling, check_stop
+
+
+def num_tiles(rows: int, cols: int) -> int:
+    """Tiles of a grid: every cell, plus a global thumbnail when there is more than one cell."""
+    cells = rows * cols
+    return cells + 1 if cells > 1 else cells
+
+
+class QueueSlot:
+    """A place in the scheduler's queue, held from admission until the scheduler has the request
+    (or it is dropped before): a request being encoded counts as waiting, so a burst is refused
+    before it costs any encoding. Released once, whoever releases it first."""
+
+    __slots__ = ("_held", "_owner")
+
+    def __init__(self, owner: InputProcessor) -> None:
+        self._owner = owner
+        self._held = True
+
+    def release(self) -> None:
+        self._owner.release(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request that passed admission. `with admitted:` gives its queue place back if it never
+    reaches the scheduler."""
+
+    req: InferRequest  # as it arrived
+    prompt_ids: tuple[int, ...]  # tokenised once; one id per image slot, expanded at generation
+    num_visual: tuple[int, ...]  # per item, visual tokens admission counted (the most)
+    seed: int  # sampling seed: the request's own, else derived from its id
+    grammar: Grammar | None  # compiled response format; None = free text
+    slot: QueueSlot  # its place in the scheduler's queue until the scheduler has it
+
+    def __enter__(self) -> Admitted:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.slot.release()
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        tokenizer: ChatTokenizer,
+        info: CoreInfo,
+        config: SchedulerConfig,
+        max_request_tokens: int,
+        grammars: GrammarCompiler,
+    ) -> None:
+        self.tokenizer, self.info, self.grammars = tokenizer, info, grammars
+        self.max_request_tokens = max_request_tokens
+        self.max_waiting = config.max_waiting
+        self.max_items, self.max_item_tiles = config.max_items, config.max_item_tiles
+        self.max_stop_strings, self.max_stop_bytes = config.max_stop_strings, config.max_stop_bytes
+        self.max_format_bytes = config.max_format_bytes
+        self.num_waiting = 0  # the scheduler's queue after the last step (the model thread writes)
+        self._queued = 0  # admitted, not yet in the scheduler (guarded by _lock)
+        self._lock = threading.Lock()
+
+    async def admit(
+        self,
+        req: InferRequest,
+        visual: list[int] | None = None,
+        prompt_ids: list[int] | None = None,
+    ) -> Admitted:
+        """`check`, a place in the queue, and the compiled response format (on a worker thread).
+
+        `visual`: the visual tokens of features already at hand (in-process callers), counted
+        instead of the declared items; `prompt_ids`: a text-only prompt already tokenised."""
+        ids, counts = self.check(req, visual, prompt_ids)
+        slot = self._reserve()
+        try:
+            grammar = await self.grammars.admit(req.params.response_format)
+        except BaseException:
+            slot.release()
+            raise
+        p = req.params
+        seed = p.seed or int.from_bytes(hashlib.sha256(req.request_id.encode()).digest()[:8])
+        return Admitted(req, tuple(ids), counts, seed, grammar, slot)
+
+    def check(
+        self,
+        req: InferRequest,
+        visual: list[int] | None = None,
+        prompt_ids: list[int] | None = None,
+    ) -> tuple[list[int], tuple[int, ...]]:
+        """Refuses what this core cannot serve; returns the prompt ids (one per image slot) and
+        each item's visual tokens. Visual tokens are counted from the declared grids and text
+        tokens with one token per image slot, before any pixel or token exists."""
+        p = req.params
+        check_sampling(p.temperature, p.top_p, p.top_k, p.min_new_tokens, p.max_new_tokens)
+        check_stop(p.stop, self.max_stop_strings, self.max_stop_bytes)
+        check_logprobs(p.logprobs, p.top_logprobs)
+        check_response_format(p.response_format, self.max_format_bytes, "max_format_bytes")
+        if p.max_new_tokens < 1:
+            raise VisorError(Reason.INVALID_REQUEST, "max_new_tokens must be >= 1")
+        if len(req.items if visual is None else visual) > self.max_items:
+            raise VisorError(
+                Reason.IMAGE_COUNT_LIMIT, f"more than the core's max_items ({self.max_items})"
+            )
+        chosen = compression.profile(req.profile)
+        counts = self._declared(req.items, chosen) if visual is None else tuple(visual)
+        if sum(t.num_images for t in req.turns) != len(counts):
+            raise VisorError(Reason.INVALID_REQUEST, "turns show a different number of items")
+        ids = self.tokenizer.encode_prompt(list(req.turns)) if prompt_ids is None else prompt_ids
+        if ids.count(self.tokenizer.image_token_id) != len(counts):
+            raise VisorError(Reason.INVALID_REQUEST, "the chat template has other image places")
+        total = len(ids) - len(counts) + sum(counts) + p.max_new_tokens
+        if total > self.max_request_tokens:
+            raise VisorError(
+                Reason.TOKEN_BUDGET,
+                f"request needs more than the {self.max_request_tokens} tokens "
+                "(visual + text + max_new_tokens) one request may hold",
+            )
+        return ids, counts
+
+    def _declared(
+        self, items: tuple[ItemSpec, ...], chosen: compression.Profile
+    ) -> tuple[int, ...]:
+        per_tile = self.info.tokens_per_tile
+        return tuple(
+            compression.visual_tokens(per_tile, self._check_item(item), chosen) for item in items
+        )
+
+    def _check_item(self, item: ItemSpec) -> int:
+        """The item's tile count, once its declared geometry is what this encoder takes."""
+        tiles = num_tiles(item.tile_rows, item.tile_cols)
+        if tiles < 1 or tiles > self.max_item_tiles:
+            raise VisorError(
+                Reason.INVALID_REQUEST,
+                f"an item's tile grid is empty or over the core's max_item_tiles "
+                f"({self.max_item_tiles})",
+            )
+        size = self.info.image_size
+        if (
+            item.preprocess_version != self.info.preprocess_version
+            or item.resolution != size
+            or item.dtype not in self.info.accepted_dtypes
+            or item.shape != (tiles, 3, size, size)
+        ):
+            raise VisorError(
+                Reason.INVALID_REQUEST, "item geometry does not match this core's encoder"
+            )
+        return tiles
+
+    def _reserve(self) -> QueueSlot:
+        with self._lock:
+            if self._queued + self.num_waiting >= self.max_waiting:
+                raise VisorError(
+                    Reason.OVERLOADED, f"the scheduler queue is full ({self.max_waiting} waiting)"
+                )
+            self._queued += 1
+        return QueueSlot(self)
+
+    def release(self, slot: QueueSlot) -> None:
+        with self._lock:
+            if slot._held:
+                slot._held = False
+                self._queued -= 1
+
+    def prompt(
+        self, admitted: Admitted, visual: list[int], keys: list[bytes]
+    ) -> tuple[list[int], tuple[ImageSpan, ...]]:
+        """The prompt with each image slot expanded to its item's `visual` tokens (at most what
+        admission counted), and where each item's tokens sit, named by its content key."""
+        counted = admitted.num_visual
+        if len(visual) != len(counted) or any(v > c for v, c in zip(visual, counted, strict=True)):
+            raise VisorError(Reason.INTERNAL, "features differ from what admission counted")
+        image_id = self.tokenizer.image_token_id
+        ids = self.tokenizer.expand(list(admitted.prompt_ids), visual)
+        spans, pos = [], 0
+        for count, key in zip(visual, keys, strict=True):
+            while ids[pos] != image_id:
+                pos += 1
+            spans.append(ImageSpan(pos, pos + count, key))
+            pos += count
+        return ids, tuple(spans)
