@@ -15,37 +15,30 @@ core RSS and open descriptors return to their baseline once the noise stops.
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import math
 import os
 import random
 import signal
-import struct
 import subprocess
 import time
-import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 from grpc_status import rpc_status
-from PIL import Image
 
+from bench import soak_media
 from shared import procs
 from shared.hashing import key_sha256
 from shared.proto import gateway_pb2, gateway_pb2_grpc
 from shared.status import from_rpc_error
 
 QUIET_KEY, NOISY_KEY = "soak-quiet-key", "soak-noisy-key"
-ROOT = Path(__file__).resolve().parent.parent
-SAMPLES = ROOT / "models" / "samples"
 # Details of refusals that came without ErrorInfo (each one a defect to explain).
 WITHOUT_ERROR_INFO: list[str] = []
-CORPUS = Path(os.environ.get("VISOR_TEST_CORPUS", ROOT.parent / "shared" / "corpus"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,68 +74,6 @@ class Soak:
     records: list[Record] = field(default_factory=list)
     faults: list[dict[str, Any]] = field(default_factory=list)
     usage: list[dict[str, Any]] = field(default_factory=list)
-
-
-# ---- media ----------------------------------------------------------------------------------
-
-
-def _png(width: int, height: int, seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels, "RGB").save(buf, "PNG", compress_level=1)
-    return buf.getvalue()
-
-
-def _apng(size: int, frames: int) -> bytes:
-    rng = np.random.default_rng(1)
-    images = [
-        Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8), "RGB")
-        for _ in range(frames)
-    ]
-    buf = io.BytesIO()
-    images[0].save(buf, "PNG", save_all=True, append_images=images[1:], compress_level=1)
-    return buf.getvalue()
-
-
-def _png_declaring(width: int, height: int) -> bytes:
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        crc = struct.pack(">I", zlib.crc32(kind + body))
-        return struct.pack(">I", len(body)) + kind + body + crc
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
-
-
-def hostile_media() -> list[bytes]:
-    """Files every gateway must refuse or survive: the corpus's rejects when it is present, and
-    a few built here (so the soak runs in a user's clone too)."""
-    jpeg = (SAMPLES / "number.jpg").read_bytes()
-    out = [
-        jpeg[: len(jpeg) // 2],  # truncated
-        _png_declaring(100_000, 100_000),  # pixel bomb by header
-        os.urandom(4096),  # no known format
-        b"PK\x03\x04" + os.urandom(512),  # a zip
-    ]
-    manifest = CORPUS / "MANIFEST.tsv"
-    if manifest.exists():
-        for line in manifest.read_text().splitlines()[1:]:
-            name, expect = line.split("\t")[:2]
-            if expect == "reject":
-                out.append((CORPUS / name).read_bytes())
-    return out
-
-
-def _questions() -> list[tuple[bytes, str]]:
-    table = json.loads((SAMPLES / "questions.json").read_text())
-    return [((SAMPLES / name).read_bytes(), q["question"]) for name, q in table.items()]
-
-
-def _request(prompt: str, media: list[bytes], **params: Any) -> gateway_pb2.GenerateRequest:
-    return gateway_pb2.GenerateRequest(
-        prompt=prompt,
-        media=[gateway_pb2.Media(data=m) for m in media],
-        params=gateway_pb2.GenerationParams(max_new_tokens=8, **params),
-    )
 
 
 # ---- clients --------------------------------------------------------------------------------
@@ -182,29 +113,11 @@ async def _upload(
         )
         for i in range(0, len(blob), chunk)
     ]
-    call = stub.GenerateUpload(iter(messages), metadata=[("authorization", f"Bearer {NOISY_KEY}")])
-    try:
-        async for _ in call:
-            pass
-        rec.outcome = "ok"
-    except grpc.RpcError as exc:
-        rec.outcome = _reason(exc)
-    finally:
-        rec.end = time.monotonic()
+    await _upload_call(stub, iter(messages), rec)
 
 
-async def _stalled_upload(stub: gateway_pb2_grpc.GatewayStub, rec: Record, hold_s: float) -> None:
-    """Sends the request and half an image, then nothing: the gateway must end it."""
-    image = (SAMPLES / "colour.png").read_bytes()
-
-    async def messages() -> Any:
-        head = _request("What colour is the circle?", [b""])
-        yield gateway_pb2.UploadMessage(request=head)
-        piece = image[: len(image) // 2]
-        yield gateway_pb2.UploadMessage(chunk=gateway_pb2.MediaChunk(media_index=0, data=piece))
-        await asyncio.sleep(hold_s)
-
-    call = stub.GenerateUpload(messages(), metadata=[("authorization", f"Bearer {NOISY_KEY}")])
+async def _upload_call(stub: gateway_pb2_grpc.GatewayStub, messages: Any, rec: Record) -> None:
+    call = stub.GenerateUpload(messages, metadata=[("authorization", f"Bearer {NOISY_KEY}")])
     try:
         async for _ in call:
             pass
@@ -214,6 +127,20 @@ async def _stalled_upload(stub: gateway_pb2_grpc.GatewayStub, rec: Record, hold_
     finally:
         rec.end = time.monotonic()
         call.cancel()
+
+
+async def _stalled_upload(stub: gateway_pb2_grpc.GatewayStub, rec: Record, hold_s: float) -> None:
+    """Sends the request and half an image, then nothing: the gateway must end it."""
+    image = (soak_media.SAMPLES / "colour.png").read_bytes()
+
+    async def messages() -> Any:
+        head = soak_media.request("What colour is the circle?", [b""])
+        yield gateway_pb2.UploadMessage(request=head)
+        piece = image[: len(image) // 2]
+        yield gateway_pb2.UploadMessage(chunk=gateway_pb2.MediaChunk(media_index=0, data=piece))
+        await asyncio.sleep(hold_s)
+
+    await _upload_call(stub, messages(), rec)
 
 
 def _reason(exc: grpc.RpcError) -> str:
@@ -228,7 +155,7 @@ def _reason(exc: grpc.RpcError) -> str:
 
 
 async def _quiet(soak: Soak, stop_at: float, phase: str) -> None:
-    questions = _questions()
+    questions = soak_media.questions()
     tasks = []
     async with grpc.aio.insecure_channel(soak.gateway) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)  # type: ignore[no-untyped-call]
@@ -238,7 +165,9 @@ async def _quiet(soak: Soak, stop_at: float, phase: str) -> None:
             rec = Record("quiet", phase, time.monotonic())
             soak.records.append(rec)
             tasks.append(
-                asyncio.create_task(_call(stub, QUIET_KEY, _request(question, [image]), rec))
+                asyncio.create_task(
+                    _call(stub, QUIET_KEY, soak_media.request(question, [image]), rec)
+                )
             )
             i += 1
             await asyncio.sleep(soak.settings.quiet_interval_s)
@@ -251,25 +180,13 @@ async def _warm(soak: Soak) -> None:
         soak.settings, soak.gateway, soak.env, soak.config, soak.logs, {}, soak.gateway_proc
     )
     await _quiet(
-        warm, time.monotonic() + len(_questions()) * soak.settings.quiet_interval_s, "warm"
+        warm,
+        time.monotonic() + len(soak_media.questions()) * soak.settings.quiet_interval_s,
+        "warm",
     )
 
 
-@dataclass(frozen=True, slots=True)
-class NoisyMedia:
-    """Built before any phase starts, so no client stalls while it is made."""
-
-    hostile: list[bytes]  # files to refuse or survive
-    good: bytes  # a small valid image
-    big: list[bytes]  # large valid files (one over max_item_bytes)
-
-    @staticmethod
-    def build() -> NoisyMedia:
-        good = (SAMPLES / "colour.png").read_bytes()
-        return NoisyMedia(hostile_media(), good, [_png(3000, 2000, 0), _apng(512, 48)])
-
-
-async def _noisy(soak: Soak, stop_at: float, stream: int, media: NoisyMedia) -> None:
+async def _noisy(soak: Soak, stop_at: float, stream: int, media: soak_media.NoisyMedia) -> None:
     rng = random.Random(soak.settings.seed * 1000 + stream)
     hostile, good, big = media.hostile, media.good, media.big
     async with grpc.aio.insecure_channel(soak.gateway) as channel:
@@ -282,18 +199,20 @@ async def _noisy(soak: Soak, stop_at: float, stream: int, media: NoisyMedia) -> 
                 await _stalled_upload(stub, rec, soak.settings.deadline_s + 10)
                 continue
             if kind == "hostile":
-                req = _request("What is this?", [rng.choice(hostile)])
+                req = soak_media.request("What is this?", [rng.choice(hostile)])
             elif kind == "sampling":
                 bad = rng.choice([math.nan, math.inf, 1e-38, -0.0 - 1e-30])
-                req = _request("What colour?", [good], temperature=bad, min_new_tokens=4)
+                req = soak_media.request("What colour?", [good], temperature=bad, min_new_tokens=4)
             elif kind == "stops":
                 stops = [f"s{n}" for n in range(8000)]
-                req = _request("What colour?", [good], stop=stops)
+                req = soak_media.request("What colour?", [good], stop=stops)
             elif kind == "large":  # over one message's 4 MiB: the upload RPC, as clients must
-                await _upload(stub, _request("Describe the image.", [rng.choice(big)]), rec)
+                await _upload(
+                    stub, soak_media.request("Describe the image.", [rng.choice(big)]), rec
+                )
                 continue
             else:
-                req = _request("What colour is the circle?", [good])
+                req = soak_media.request("What colour is the circle?", [good])
             cancel = rng.uniform(0.05, 0.4) if kind == "cancel" else None
             await _call(stub, NOISY_KEY, req, rec, cancel)
 
@@ -432,7 +351,7 @@ async def run(soak: Soak) -> dict[str, Any]:
     s = soak.settings
     t0 = time.monotonic()
     sampling = asyncio.Event()
-    media = await asyncio.to_thread(NoisyMedia.build)
+    media = await asyncio.to_thread(soak_media.NoisyMedia.build)
     sampler = asyncio.create_task(_sample_usage(soak, sampling, t0))
     await _warm(soak)
     await _quiet(soak, time.monotonic() + s.seconds_alone, "alone")
