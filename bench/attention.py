@@ -1,0 +1,101 @@
+"""The paged forward pass, per-sequence attention (the path before packing) against the packed
+step, batch-invariant and fast, on the bench checkpoint: a decode step of 1 and of 16 sequences
+(each ~600 tokens of context: an image and a question) and a 592-token prefill, at 1 and 2 torch
+threads. Prints one JSON object; times are medians in milliseconds.
+
+    python -m bench.attention [--model models/bench] [--out bench/results/attention.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.model import llava, paged
+
+CONTEXT = 592  # one 576-token image and a 16-token question
+
+
+def _decode_step(batch: int, block_size: int) -> list[paged.SeqChunk]:
+    per_seq = -(-(CONTEXT + 1) // block_size)
+    return [
+        paged.SeqChunk(
+            CONTEXT, 1, torch.arange(i * per_seq, (i + 1) * per_seq), need_logits=True
+        )
+        for i in range(batch)
+    ]
+
+
+def _prefill(block_size: int) -> list[paged.SeqChunk]:
+    return [paged.SeqChunk(0, CONTEXT, torch.arange(-(-CONTEXT // block_size)), True)]
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: the exact-rows probes, allocator
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return round(statistics.median(times), 2)
+
+
+def run(model_dir: Path, repeats: int) -> dict[str, Any]:
+    model = llava.load(model_dir)
+    text = model.cfg.text
+    kv = paged.PagedKV(text.num_layers, 640, 16, text.num_kv_heads, text.head_dim)
+    gen = torch.Generator().manual_seed(0)
+    workloads = {
+        "decode_b1": _decode_step(1, 16),
+        "decode_b16": _decode_step(16, 16),
+        "prefill_592": _prefill(16),
+    }
+    paths: dict[str, Callable[[torch.Tensor, list[paged.SeqChunk]], object]] = {
+        "per_sequence": lambda x, c: paged.reference_forward(model, x, c, kv),
+        "packed_invariant": lambda x, c: paged.forward(model, x, c, kv, batch_invariant=True),
+        "packed_fast": lambda x, c: paged.forward(model, x, c, kv, batch_invariant=False),
+    }
+    results: dict[str, Any] = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for name, chunks in workloads.items():
+            tokens = sum(c.num_tokens for c in chunks)
+            x = torch.randn(tokens, text.hidden_size, generator=gen) * 0.5
+            reps = max(3, repeats // 8) if name.startswith("prefill") else repeats
+            row = {p: _median_ms(lambda f=f: f(x, chunks), reps) for p, f in paths.items()}
+            for p in ("packed_invariant", "packed_fast"):
+                row[f"speedup_{p}"] = round(row["per_sequence"] / row[p], 2)
+            results[f"{name}_threads{threads}"] = row
+    return {
+        "bench": "attention",
+        "model": str(model_dir),
+        "torch": torch.__version__,
+        "unit": "ms per step (median)",
+        "context": CONTEXT,
+        "results": results,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=Path("models/bench"))
+    p.add_argument("--repeats", type=int, default=24)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    report = run(args.model, args.repeats)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
