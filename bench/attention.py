@@ -1,7 +1,8 @@
-"""The paged forward pass, per-sequence attention (the path before packing) against the packed
-step, batch-invariant and fast, on the bench checkpoint: a decode step of 1 and of 16 sequences
-(each ~600 tokens of context: an image and a question) and a 592-token prefill, at 1 and 2 torch
-threads. Prints one JSON object; times are medians in milliseconds.
+"""The paged forward pass in its two modes on the bench checkpoint: batch-invariant (GEMMs padded
+to 16 rows, attention per sequence per 16-query tile: the only path before packing, with the
+projections now fused) against fast (unpadded GEMMs, packed attention). Workloads: a decode step
+of 1 and of 16 sequences (each ~600 tokens of context: an image and a question) and a 592-token
+prefill, at 1 and 2 torch threads. Prints one JSON object; times are medians in milliseconds.
 
     python -m bench.attention [--model models/bench] [--out bench/results/attention.json]
 """
@@ -26,9 +27,7 @@ CONTEXT = 592  # one 576-token image and a 16-token question
 def _decode_step(batch: int, block_size: int) -> list[paged.SeqChunk]:
     per_seq = -(-(CONTEXT + 1) // block_size)
     return [
-        paged.SeqChunk(
-            CONTEXT, 1, torch.arange(i * per_seq, (i + 1) * per_seq), need_logits=True
-        )
+        paged.SeqChunk(CONTEXT, 1, torch.arange(i * per_seq, (i + 1) * per_seq), need_logits=True)
         for i in range(batch)
     ]
 
@@ -37,14 +36,18 @@ def _prefill(block_size: int) -> list[paged.SeqChunk]:
     return [paged.SeqChunk(0, CONTEXT, torch.arange(-(-CONTEXT // block_size)), True)]
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: the exact-rows probes, allocator
-    times = []
+def _median_ms(paths: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median time of each path, the paths alternating within every repetition so that a busy
+    machine slows them alike."""
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for fn in paths.values():
+        fn()  # warm-up: the exact-rows probes, allocator
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1000)
-    return round(statistics.median(times), 2)
+        for name, fn in paths.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1000)
+    return {name: round(statistics.median(t), 2) for name, t in times.items()}
 
 
 def run(model_dir: Path, repeats: int) -> dict[str, Any]:
@@ -58,9 +61,8 @@ def run(model_dir: Path, repeats: int) -> dict[str, Any]:
         "prefill_592": _prefill(16),
     }
     paths: dict[str, Callable[[torch.Tensor, list[paged.SeqChunk]], object]] = {
-        "per_sequence": lambda x, c: paged.reference_forward(model, x, c, kv),
-        "packed_invariant": lambda x, c: paged.forward(model, x, c, kv, batch_invariant=True),
-        "packed_fast": lambda x, c: paged.forward(model, x, c, kv, batch_invariant=False),
+        "invariant": lambda x, c: paged.forward(model, x, c, kv, batch_invariant=True),
+        "fast": lambda x, c: paged.forward(model, x, c, kv, batch_invariant=False),
     }
     results: dict[str, Any] = {}
     for threads in (1, 2):
@@ -69,9 +71,10 @@ def run(model_dir: Path, repeats: int) -> dict[str, Any]:
             tokens = sum(c.num_tokens for c in chunks)
             x = torch.randn(tokens, text.hidden_size, generator=gen) * 0.5
             reps = max(3, repeats // 8) if name.startswith("prefill") else repeats
-            row = {p: _median_ms(lambda f=f: f(x, chunks), reps) for p, f in paths.items()}
-            for p in ("packed_invariant", "packed_fast"):
-                row[f"speedup_{p}"] = round(row["per_sequence"] / row[p], 2)
+            row: dict[str, float] = _median_ms(
+                {p: (lambda f=f, x=x, c=chunks: f(x, c)) for p, f in paths.items()}, reps
+            )
+            row["speedup_fast"] = round(row["invariant"] / row["fast"], 2)
             results[f"{name}_threads{threads}"] = row
     return {
         "bench": "attention",

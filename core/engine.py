@@ -97,6 +97,7 @@ class Engine:
         encoder: str = "torch",
         artifacts: Path | None = None,
         scheduler: SchedulerConfig | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         if not (model_dir / "config.json").exists():
             raise FileNotFoundError(
@@ -121,6 +122,7 @@ class Engine:
             image_mean=cfg.image_mean,
             image_std=cfg.image_std,
         )
+        self.batch_invariant = batch_invariant
         self._build_scheduler(scheduler or SchedulerConfig())
         self._inbox = _Inbox()
         self._seqs: dict[int, Sequence] = {}  # model thread only
@@ -163,7 +165,9 @@ class Engine:
             sc.max_prefill_chunk,
             sc.decode_step_tokens,
         )
-        self.runner = ModelRunner(self.model, self.kv_manager, self.scheduler, self.eos_ids)
+        self.runner = ModelRunner(
+            self.model, self.kv_manager, self.scheduler, self.eos_ids, self.batch_invariant
+        )
         metrics.KV_BLOCKS_TOTAL.set(num_blocks)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:

@@ -26,11 +26,16 @@ log = logs.get("core.runner")
 
 class ModelRunner:
     def __init__(
-        self, model: Llava, kv_manager: KVCacheManager, scheduler: Scheduler, eos_ids: set[int]
+        self,
+        model: Llava,
+        kv_manager: KVCacheManager,
+        scheduler: Scheduler,
+        eos_ids: set[int],
+        batch_invariant: bool,
     ) -> None:
         text = model.cfg.text
         self.model, self.kv_manager, self.scheduler = model, kv_manager, scheduler
-        self.eos_ids = eos_ids
+        self.eos_ids, self.batch_invariant = eos_ids, batch_invariant
         self.kv = paged.PagedKV(
             text.num_layers, kv_manager.num_blocks, kv_manager.block_size, text.num_kv_heads,
             text.head_dim,
@@ -106,7 +111,10 @@ class ModelRunner:
             table = torch.tensor([b.block_id for b in self.kv_manager.tables[seq.seq_id]])
             chunks.append(paged.SeqChunk(start, n, table, start + n == seq.num_tokens))
             embeds.append(seq.embeds(start, n, self._embed_tokens))
-        return paged.forward(self.model, torch.cat(embeds), chunks, self.kv)
+        meta = paged.step_metadata(chunks, self.kv.block_size, self.batch_invariant, self.kv.device)
+        return paged.forward_step(
+            self.model, torch.cat(embeds), meta, self.kv, self.batch_invariant
+        )
 
     def _embed_tokens(self, ids: list[int]) -> torch.Tensor:
         embeds: torch.Tensor = self.model.language_model.embed_tokens(torch.tensor(ids))

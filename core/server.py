@@ -34,8 +34,9 @@ async def run(cfg: CoreConfig, cache: CacheConfig, sched: SchedulerConfig, core_
     tune_malloc()
     artifacts = Path(cfg.artifacts_dir).expanduser()
     engine = Engine(
-        Path(cfg.model), cfg.resolved_core_id(), cfg.num_threads, cfg.encoder, artifacts, sched
-    )
+        Path(cfg.model), cfg.resolved_core_id(), cfg.num_threads, cfg.encoder, artifacts, sched,
+        batch_invariant=cfg.batch_invariant,
+    )  # fmt: skip
     queue = VisionQueue(
         engine.encoder.encode, engine.run, cfg.encode_batch_tiles, cfg.encode_max_wait_ms / 1000
     )

@@ -180,7 +180,7 @@ def _unfuse(model: Llava, state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         if fused is None or not name.startswith("language_model.layers."):
             out[name] = tensor
             continue
-        for part, piece in zip(_FUSED[fused], tensor.split(sizes[fused]), strict=True):
+        for part, piece in zip(_FUSED[fused], torch.split(tensor, sizes[fused]), strict=True):
             out[name.replace(fused, part)] = piece
     return out
 

@@ -81,7 +81,7 @@ class Attention(nn.Module):
         """(..., tokens, qkv_proj out) -> queries (..., heads, tokens, dim), keys and values
         (..., kv_heads, tokens, dim)."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
         lead = qkv.shape[:-1]
         return (
             q.reshape(*lead, self.num_heads, self.head_dim).transpose(-3, -2),
