@@ -158,8 +158,8 @@ def test_packed_step_makes_at_most_two_attention_calls() -> None:
     chunks.append(paged.SeqChunk(16, 40, torch.arange(30, 34), True))
     meta = paged.step_metadata(chunks, 16, False, cpu)
     assert [(c.num_rows, c.row_queries, c.row_keys) for c in meta.attention] == [
-        (8, 1, 41),
-        (1, 40, 56),
+        (8, 1, 48),
+        (1, 40, 64),
     ]
     assert meta.positions.tolist() == [40] * 8 + list(range(16, 56))
     assert meta.logits_indices.tolist() == [*range(8), 47]
