@@ -29,6 +29,7 @@ class CoreConfig:
     tls_cert: str = ""  # PEM server certificate (chain); with tls_key + tls_client_ca turns on mTLS
     tls_key: str = ""  # PEM private key of tls_cert
     tls_client_ca: str = ""  # PEM CA that signs gateway client certificates (client auth required)
+    batch_invariant: bool = True  # logits bit for bit independent of batch-mates (slower decode)
 
     def validate(self) -> None:
         split_host_port(self.listen)

@@ -98,6 +98,7 @@ class Engine:
         scheduler: SchedulerConfig | None = None,
         device: str = "auto",
         dtype: str = "auto",
+        batch_invariant: bool = True,
     ) -> None:
         if not (model_dir / "config.json").exists():
             raise FileNotFoundError(
@@ -123,6 +124,7 @@ class Engine:
             image_mean=cfg.image_mean,
             image_std=cfg.image_std,
         )
+        self.batch_invariant = batch_invariant
         self._build(scheduler or SchedulerConfig())
         self._inbox = _Inbox()
         # Each live request's state and stream, by seq_id (model thread only).
@@ -157,7 +159,9 @@ class Engine:
         )
         self.scheduler = Scheduler(sc, num_blocks, self.eos_ids, paged.TILE)
         self.kv_manager = self.scheduler.kv
-        self.runner = ModelRunner(self.model, num_blocks, sc.block_size, self.eos_ids)
+        self.runner = ModelRunner(
+            self.model, num_blocks, sc.block_size, self.eos_ids, self.batch_invariant
+        )
         metrics.KV_BLOCKS_TOTAL.set(num_blocks)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:

@@ -49,10 +49,17 @@ class _Sampled:
 
 
 class ModelRunner:
-    def __init__(self, model: Llava, num_blocks: int, block_size: int, eos_ids: set[int]) -> None:
+    def __init__(
+        self,
+        model: Llava,
+        num_blocks: int,
+        block_size: int,
+        eos_ids: set[int],
+        batch_invariant: bool = True,
+    ) -> None:
         text = model.cfg.text
         self.model = model
-        self.eos_ids = eos_ids
+        self.eos_ids, self.batch_invariant = eos_ids, batch_invariant
         self.kv = paged.PagedKV(
             text.num_layers, num_blocks, block_size, text.num_kv_heads, text.head_dim
         )
@@ -105,7 +112,9 @@ class ModelRunner:
             table = torch.tensor(c.block_ids)
             seq_chunks.append(paged.SeqChunk(c.start, c.num_tokens, table, c.sample))
             embeds.append(self._embeds(self._requests[c.seq_id], c.start, c.num_tokens))
-        return paged.forward(self.model, torch.cat(embeds), seq_chunks, self.kv)
+        kv, invariant = self.kv, self.batch_invariant
+        meta = paged.step_metadata(seq_chunks, kv.block_size, invariant, kv.device)
+        return paged.forward_step(self.model, torch.cat(embeds), meta, kv, invariant)
 
     def _embeds(self, state: _RequestState, start: int, num: int) -> torch.Tensor:
         """Input embeddings of positions start..start+num (prompt rows, then sampled tokens)."""

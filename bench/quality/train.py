@@ -329,9 +329,7 @@ def decoder_logits(
         assert isinstance(layer, DecoderLayer) and isinstance(layer.self_attn, Attention)
         attn = layer.self_attn
         h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(b, t, attn.num_heads, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(h).view(b, t, attn.num_kv, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(h).view(b, t, attn.num_kv, attn.head_dim).transpose(1, 2)
+        q, k, v = attn.split(attn.qkv_proj(h))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         for j, probe in enumerate(probes):
             if probe.layer == i:

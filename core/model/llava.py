@@ -25,6 +25,11 @@ _PREFIXES = (
 )
 _IGNORED_SUFFIXES = ("position_ids", "rotary_emb.inv_freq")
 _ENCODER_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+# Decoder projections stored apart in checkpoints and run as one GEMM here, in output order.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
 
 class Projector(nn.Module):
@@ -153,6 +158,7 @@ def load(model_dir: Path) -> Llava:
                 state[canonical] = tensor
     if "lm_head.weight" not in state and cfg.text.tie_word_embeddings:
         state["lm_head.weight"] = state["language_model.embed_tokens.weight"]
+    _fuse(state, cfg.text.num_layers)
     with torch.device("meta"):
         model = Llava(cfg)
     model.load_state_dict(state, strict=True, assign=True)
@@ -160,10 +166,40 @@ def load(model_dir: Path) -> Llava:
     return model.float().eval()
 
 
+def _fuse(state: dict[str, torch.Tensor], num_layers: int) -> None:
+    """Concatenates each layer's separately stored projections (`_FUSED`) into one tensor."""
+    for i in range(num_layers):
+        layer = f"language_model.layers.{i}."
+        for fused, parts in _FUSED.items():
+            for kind in ("weight", "bias"):
+                names = [f"{layer}{part}.{kind}" for part in parts]
+                if all(name in state for name in names):
+                    state[f"{layer}{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+
+
+def _unfuse(model: Llava, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with the fused projections split back into the checkpoint's separate tensors."""
+    text = model.cfg.text
+    kv_size = text.num_kv_heads * text.head_dim
+    sizes = {
+        "self_attn.qkv_proj": [text.num_heads * text.head_dim, kv_size, kv_size],
+        "mlp.gate_up_proj": [text.intermediate_size] * 2,
+    }
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        fused = next((f for f in _FUSED if f".{f}." in name), None)
+        if fused is None or not name.startswith("language_model.layers."):
+            out[name] = tensor
+            continue
+        for part, piece in zip(_FUSED[fused], torch.split(tensor, sizes[fused]), strict=True):
+            out[name.replace(fused, part)] = piece
+    return out
+
+
 def save(model: Llava, path: Path) -> None:
     """Writes the weights in the legacy llava-hf layout that public checkpoints use."""
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in _unfuse(model, model.state_dict()).items():
         if name.startswith("language_model."):
             name = "language_model.model." + name[len("language_model.") :]
         elif name.startswith("lm_head."):

@@ -67,22 +67,33 @@ class KVCache:
 
 
 class Attention(nn.Module):
+    """Self-attention with the query, key and value projections fused into one GEMM (the loader
+    concatenates a checkpoint's `q_proj`, `k_proj`, `v_proj` into `qkv_proj`)."""
+
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.qkv_proj = nn.Linear(h, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=cfg.kind == "llama" and bias)
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(..., tokens, qkv_proj out) -> queries (..., heads, tokens, dim), keys and values
+        (..., kv_heads, tokens, dim)."""
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv * self.head_dim
+        q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
+        lead = qkv.shape[:-1]
+        return (
+            q.reshape(*lead, self.num_heads, self.head_dim).transpose(-3, -2),
+            k.reshape(*lead, self.num_kv, self.head_dim).transpose(-3, -2),
+            v.reshape(*lead, self.num_kv, self.head_dim).transpose(-3, -2),
+        )
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim).transpose(0, 1)
-        k = self.k_proj(x).view(n, self.num_kv, self.head_dim).transpose(0, 1)
-        v = self.v_proj(x).view(n, self.num_kv, self.head_dim).transpose(0, 1)
+        q, k, v = self.split(self.qkv_proj(x))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         k, v = cache.append(layer, k, v)
         past = k.shape[1] - n
@@ -101,14 +112,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU with the gate and up projections fused into one GEMM (`gate_up_proj`)."""
+
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
         h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj, self.up_proj = nn.Linear(h, i, bias=False), nn.Linear(h, i, bias=False)
+        self.gate_up_proj = nn.Linear(h, 2 * i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
 
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

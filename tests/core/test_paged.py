@@ -26,16 +26,20 @@ def _embeds(model: llava.Llava, seed: int, n: int) -> torch.Tensor:
     return torch.randn(n, model.cfg.text.hidden_size, generator=gen) * 0.5
 
 
+Step = list[tuple[int, int, int, torch.Tensor]]
+
+
 def _run(
-    model: llava.Llava, kv: paged.PagedKV, steps: list[list[tuple[int, int, int, torch.Tensor]]]
+    model: llava.Llava, kv: paged.PagedKV, steps: list[Step], batch_invariant: bool = True
 ) -> dict[int, list[torch.Tensor]]:
     """Each step: (seq, start, num_tokens, blocks) chunks; every sequence's embeddings are a
-    fixed function of its id. Returns each sequence's logits, in step order."""
+    fixed function of its id (a prefix-sharing sequence's id is its prefix owner's). Returns
+    each sequence's logits, in step order."""
     out: dict[int, list[torch.Tensor]] = {}
     for step in steps:
         chunks = [paged.SeqChunk(s, n, blocks, True) for _, s, n, blocks in step]
-        embeds = torch.cat([_embeds(model, seq, s + n)[s:] for seq, s, n, _ in step])
-        logits = paged.forward(model, embeds, chunks, kv)
+        embeds = torch.cat([_embeds(model, seq % 100, s + n)[s:] for seq, s, n, _ in step])
+        logits = paged.forward(model, embeds, chunks, kv, batch_invariant)
         for (seq, *_), row in zip(step, logits, strict=True):
             out.setdefault(seq, []).append(row)
     return out
@@ -48,7 +52,7 @@ def test_logits_are_bitwise_the_same_alone_chunked_and_batched(
     if gemm == "tiles only":  # what a machine whose BLAS fails the probe runs
         monkeypatch.setattr(paged, "exact_rows", lambda weight: False)
     a_alone, a_batched = torch.arange(0, 4), torch.tensor([9, 3, 17, 30])
-    b, c = torch.arange(40, 44), torch.arange(50, 54)
+    b, c, d = torch.arange(40, 44), torch.arange(50, 54), torch.arange(60, 63)
     # A: a 37-token prompt, then three decode steps.
     alone = _run(
         model, _kv(model), [[(0, 0, 37, a_alone)]] + [[(0, p, 1, a_alone)] for p in (37, 38, 39)]
@@ -59,7 +63,7 @@ def test_logits_are_bitwise_the_same_alone_chunked_and_batched(
         [
             [(1, 0, 21, b), (0, 0, 16, a_batched)],  # A's prefill in two chunks, beside B's
             [(1, 21, 1, b), (0, 16, 21, a_batched), (2, 0, 5, c)],
-            [(2, 5, 1, c), (0, 37, 1, a_batched), (1, 22, 1, b)],
+            [(2, 5, 1, c), (0, 37, 1, a_batched), (1, 22, 1, b), (3, 0, 48, d)],  # D: longer than A
             [(0, 38, 1, a_batched)],  # alone again: one row, padded
             [(1, 23, 1, b), (2, 6, 1, c), (0, 39, 1, a_batched)],
         ],
@@ -72,8 +76,96 @@ def test_logits_are_bitwise_the_same_alone_chunked_and_batched(
 
 
 def test_linear_rows_do_not_depend_on_the_other_rows(model: llava.Llava) -> None:
-    layer = model.language_model.layers[0].mlp.gate_proj
+    layer = model.language_model.layers[0].mlp.gate_up_proj
     x = _embeds(model, 7, 300)
     whole = paged.linear(layer, x)
     for lo, hi in ((0, 1), (5, 8), (16, 33), (100, 300)):
         assert torch.equal(paged.linear(layer, x[lo:hi]), whole[lo:hi])
+
+
+def _random_steps(seed: int) -> tuple[list[Step], list[Step]]:
+    """A random workload and the same without prefix reuse. Sequences arrive over the steps
+    with prompts of 1..70 tokens, prefill in random chunks (not on tile boundaries) beside other
+    sequences' decodes, then decode a few tokens. Sequence 100 + i repeats sequence i's first
+    16 or 32 tokens: in the first workload it starts after them, on i's blocks (a prefix hit);
+    in the second it computes them into its own blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda lo, hi: int(torch.randint(lo, hi + 1, (), generator=gen))  # noqa: E731
+    blocks = iter(torch.randperm(64, generator=gen).tolist())  # scattered, as in a real pool
+    owners = [(i, rand(1, 70)) for i in range(rand(3, 5))]
+    shared = [(100 + i, n + rand(1, 20), 16 * rand(1, 2)) for i, n in owners if n >= 32][:1]
+    tables = {seq: [next(blocks) for _ in range(-(-(n + 4) // 16))] for seq, n in owners}
+    own = {seq: [next(blocks) for _ in range(-(-(n + 4) // 16))] for seq, n, _ in shared}
+    prefixes = {seq: prefix for seq, _, prefix in shared}
+    hit_steps: list[Step] = []
+    miss_steps: list[Step] = []
+    for reuse, steps in ((True, hit_steps), (False, miss_steps)):
+        todo = {seq: [0, n, 4] for seq, n in owners}  # done, prompt, decodes left
+        table = dict(tables)
+        for seq, n, prefix in shared:
+            table[seq] = table[seq - 100][: prefix // 16] + own[seq] if reuse else own[seq]
+            todo[seq] = [prefix if reuse else 0, n, 4]
+        for step in range(200):
+            chunks = []
+            for k, (seq, (done, n, left)) in enumerate(list(todo.items())):
+                if k > step or left == 0:
+                    continue
+                if reuse and seq in prefixes and todo[seq - 100][0] < prefixes[seq]:
+                    continue  # a hit needs its prefix computed (in an earlier step)
+                take = min(n - done, rand(1, 40)) if done < n else 1
+                chunks.append((seq, done, take, torch.tensor(table[seq])))
+            for seq, done, take, _ in chunks:
+                n, left = todo[seq][1:]
+                todo[seq] = [done + take, n, left - (done + take > n)]
+            if chunks:
+                steps.append(chunks)
+        assert all(left == 0 for _, _, left in todo.values())
+    return hit_steps, miss_steps
+
+
+def _last_logits(out: dict[int, list[torch.Tensor]]) -> dict[int, torch.Tensor]:
+    return {seq: torch.stack(rows[-4:]) for seq, rows in out.items()}  # the four decodes
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_packed_attention_matches_the_per_sequence_path(model: llava.Llava, seed: int) -> None:
+    """Fast mode (packed attention, unpadded GEMMs) against the batch-invariant per-sequence
+    path on random mixed steps: GQA (the demo model has 4 heads over 2 KV heads), prefill
+    chunks of any length beside decodes, and a prefix hit. Tolerance: float32, observed
+    differences ~1e-6."""
+    assert model.cfg.text.num_kv_heads < model.cfg.text.num_heads
+    hit, miss = _random_steps(seed)
+    assert any(len(s) > 1 and any(n == 1 for _, _, n, _ in s) for s in hit)  # mixed steps
+    packed = _run(model, _kv(model), hit, batch_invariant=False)
+    per_sequence = _run(model, _kv(model), hit, batch_invariant=True)
+    no_reuse = _run(model, _kv(model), miss, batch_invariant=False)
+    assert packed.keys() == per_sequence.keys()
+    for seq in packed:
+        assert len(packed[seq]) == len(per_sequence[seq])
+        for got, want in zip(packed[seq], per_sequence[seq], strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    want = _last_logits(per_sequence)
+    for seq, got in _last_logits(no_reuse).items():  # a prefix hit changes nothing
+        torch.testing.assert_close(got, want[seq], atol=1e-4, rtol=1e-4)
+
+
+def test_packed_step_makes_at_most_two_attention_calls() -> None:
+    """Decodes share one call and prefill chunks another, whatever the batch; a prefill runs as
+    one whole-chunk row (its keys gathered once) unless chunks of unequal length would pad each
+    other more than `TILE`-query tiles do."""
+    cpu = torch.device("cpu")
+    chunks = [paged.SeqChunk(40, 1, torch.arange(3) + 3 * i, True) for i in range(8)]
+    chunks.append(paged.SeqChunk(16, 40, torch.arange(30, 34), True))
+    meta = paged.step_metadata(chunks, 16, False, cpu)
+    assert [(c.num_rows, c.row_queries, c.row_keys) for c in meta.attention] == [
+        (8, 1, 48),
+        (1, 40, 64),
+    ]
+    assert meta.positions.tolist() == [40] * 8 + list(range(16, 56))
+    assert meta.logits_indices.tolist() == [*range(8), 47]
+    assert meta.slot_mapping[:2].tolist() == [2 * 16 + 8, 5 * 16 + 8]
+    short = paged.SeqChunk(100, 3, torch.arange(40, 47), False)
+    meta = paged.step_metadata([*chunks, short], 16, False, cpu)
+    assert [(c.num_rows, c.row_queries) for c in meta.attention] == [(8, 1), (4, 16)]
+    assert meta.logits_indices.tolist() == [*range(8), 47]
+    assert paged.step_metadata(chunks, 16, True, cpu).attention == ()

@@ -100,7 +100,7 @@ def _run_all(engine: Engine, jobs: list[Job]) -> list[str]:
 def reference(model_dir: Path) -> Iterator[tuple[list[str], Engine]]:
     """Every request alone, one after the other: no batching, no chunking, no prefix reuse."""
     cfg = SchedulerConfig(policy="none", chunked_prefill=False, prefix_caching=False)
-    engine = Engine(model_dir, "alone", scheduler=cfg)
+    engine = Engine(model_dir, "alone", scheduler=cfg, batch_invariant=True)
     jobs = _mixed(engine)
     texts = [_run_all(engine, [j])[0] for j in jobs]
     assert len(set(texts)) > 8  # outputs differ: a constant answer would make the test vacuous
@@ -121,7 +121,7 @@ def test_greedy_identical_alone_and_in_a_batch_of_16(
     model_dir: Path, reference: tuple[list[str], Engine], name: str
 ) -> None:
     cfg = BATCHED[name]
-    engine = Engine(model_dir, "batched", scheduler=cfg)
+    engine = Engine(model_dir, "batched", scheduler=cfg, batch_invariant=True)
     try:
         texts = _run_all(engine, _mixed(engine))
         for i, (got, want) in enumerate(zip(texts, reference[0], strict=True)):
