@@ -23,6 +23,7 @@ try:  # imported here, not lazily: after the rlimits it could no longer find lib
 except (ImportError, OSError, RuntimeError):  # no binding or no system libseccomp
     _sc = None
 
+WORKER_NICE = 10  # scheduling priority a decode worker lowers itself by
 PROTECTIONS = ("rlimits", "no_new_privs", "seccomp", "netns", "unprivileged_uid")
 PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
@@ -235,6 +236,10 @@ def harden(policy: Policy) -> Report:
         else:
             active.append(name)
 
+    # Decoding yields the CPU to what it feeds (the gateway's event loop relaying tokens; on a
+    # shared host, the model): a flood of large media slows other media, not answers.
+    with contextlib.suppress(OSError):
+        os.nice(WORKER_NICE)
     step("netns", _unshare_net())
     step("unprivileged_uid", _drop_uid())
     try:

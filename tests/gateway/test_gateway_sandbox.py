@@ -265,3 +265,12 @@ def test_media_reaches_the_worker_whole_through_shared_memory_or_the_pipe(
         data = rng.randbytes(size)
         body = harness.run("test:echo", {}, data)
         assert (body["num_bytes"], body["crc32"]) == (size, zlib.crc32(data)), size
+
+
+def test_workers_yield_the_cpu_to_the_gateway(harness: Harness) -> None:
+    from gateway.sandbox import WORKER_NICE
+
+    expected = min(19, os.nice(0) + WORKER_NICE)
+    for pid in harness.settle():
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        assert int(fields[16]) == expected  # field 19 of proc(5): the nice value
