@@ -133,8 +133,10 @@ class InputProcessor:
             raise VisorError(
                 Reason.IMAGE_COUNT_LIMIT, f"more than the core's max_items ({self.max_items})"
             )
-        chosen = compression.profile(req.profile)
-        counts = self._declared(req.items, chosen) if visual is None else tuple(visual)
+        if visual is None:  # counted from the declared grids under the named profile
+            counts = self._declared(req.items, compression.profile(req.profile))
+        else:  # in-process callers that compressed the features themselves
+            counts = tuple(visual)
         if sum(t.num_images for t in req.turns) != len(counts):
             raise VisorError(Reason.INVALID_REQUEST, "turns show a different number of items")
         ids = self.tokenizer.encode_prompt(list(req.turns)) if prompt_ids is None else prompt_ids
