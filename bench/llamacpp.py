@@ -1,0 +1,231 @@
+"""llama.cpp as a peer of `visor bench batching --peer llama.cpp`: the engine people run models on
+CPUs with, on the same weights, in the same run.
+
+`llama-server` is built on demand from the llama.cpp sources vendored in the `llama-cpp-python`
+sdist (cmake + ninja, about 8 minutes on 2 cores; the binary is cached under `.visor/llama.cpp`),
+the bench model's decoder is exported as a plain Llama checkpoint and converted with llama.cpp's
+own `convert_hf_to_gguf.py` (f32 and f16), and the same text prompts run through visor's engine
+and through the server, alternating, with the same thread count. Never part of `make test`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+
+VERSION = "0.3.36"  # llama-cpp-python sdist whose vendored llama.cpp is built and converted with
+CACHE = Path(".visor/llama.cpp")
+OUTTYPES = ("f32", "f16")
+
+
+def _run(cmd: list[str], cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
+    """Runs a build or conversion step; its output goes to stderr, so stdout stays one JSON."""
+    subprocess.run(cmd, cwd=cwd, env=env, check=True, stdout=sys.stderr)
+
+
+def source(cache: Path = CACHE) -> Path:
+    """The vendored llama.cpp tree of the sdist, downloaded (pip, no binary) and unpacked once."""
+    src = cache / f"llama.cpp-{VERSION}"
+    if (src / "CMakeLists.txt").exists():
+        return src
+    sdist = cache / "sdist"
+    name = f"llama_cpp_python-{VERSION}"
+    archive = sdist / f"{name}.tar.gz"
+    if not archive.exists():
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+        _run([*pip, "-d", str(sdist), f"llama-cpp-python=={VERSION}"])
+    prefix = f"{name}/vendor/llama.cpp/"
+    tmp = cache / "unpack"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+        tar.extractall(tmp, members=members, filter="data")
+    (tmp / prefix).rename(src)
+    shutil.rmtree(tmp)
+    return src
+
+
+def configure_command(src: Path, build: Path) -> list[str]:
+    """A Release build of llama-server alone, tuned for this CPU, with no network code."""
+    flags = {
+        "CMAKE_BUILD_TYPE": "Release",
+        "GGML_NATIVE": "ON",
+        "BUILD_SHARED_LIBS": "OFF",
+        "LLAMA_CURL": "OFF",
+        "LLAMA_BUILD_TESTS": "OFF",
+        "LLAMA_BUILD_EXAMPLES": "OFF",
+        "LLAMA_BUILD_TOOLS": "ON",
+        "LLAMA_BUILD_SERVER": "ON",
+    }
+    return ["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja"] + [
+        f"-D{k}={v}" for k, v in flags.items()
+    ]
+
+
+def server_binary(cache: Path = CACHE) -> Path:
+    """llama-server, built when it is not cached yet."""
+    binary = cache / "build" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    for tool in ("cmake", "ninja"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"building llama-server needs {tool} on PATH")
+    src = source(cache)
+    _run(configure_command(src, cache / "build"))
+    _run(["cmake", "--build", str(cache / "build"), "--target", "llama-server"])
+    return binary
+
+
+def export_decoder(model_dir: Path, out: Path) -> Path:
+    """The checkpoint's language model as a LlamaForCausalLM directory (config, weights,
+    tokenizer): what `convert_hf_to_gguf.py` reads. The vision tower and projector stay behind:
+    the peer runs text prompts only."""
+    raw = json.loads((model_dir / "config.json").read_text())
+    text = {**raw["text_config"], "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    text.setdefault("torch_dtype", "float32")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(text, indent=2) + "\n")
+    state: dict[str, Any] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        for name, tensor in load_file(str(path)).items():
+            if name.startswith("language_model.model."):
+                state["model." + name[len("language_model.model.") :]] = tensor
+            elif name.startswith("language_model.lm_head."):
+                state[name[len("language_model.") :]] = tensor
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, out / name)
+    return out
+
+
+# The converter refuses a BPE tokenizer whose pre-tokenizer it does not know by hash (the demo
+# tokenizer is trained here, so none is known); the peer is sent token ids, never text, so the
+# GPT-2 pre-tokenizer is named instead of refusing.
+_CONVERT = (
+    "import runpy, sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/gguf-py']; "
+    "import convert_hf_to_gguf as c; "
+    "c.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'; "
+    "sys.argv = [sys.argv[1] + '/convert_hf_to_gguf.py', *sys.argv[2:]]; c.main()"
+)
+
+
+def convert_command(src: Path, decoder: Path, outtype: str, outfile: Path) -> list[str]:
+    if outtype not in OUTTYPES:
+        raise ValueError(f"outtype must be one of {OUTTYPES}, not {outtype!r}")
+    args = [str(decoder), "--outtype", outtype, "--outfile", str(outfile)]
+    return [sys.executable, "-c", _CONVERT, str(src), *args]
+
+
+def gguf(model_dir: Path, outtype: str, cache: Path = CACHE) -> Path:
+    """The decoder of `model_dir` as GGUF (cached by checkpoint name and type)."""
+    outfile = cache / "models" / f"{model_dir.resolve().name}-{outtype}.gguf"
+    if outfile.exists() and outfile.stat().st_mtime >= _mtime(model_dir):
+        return outfile
+    decoder = export_decoder(model_dir, cache / "models" / f"{model_dir.resolve().name}-hf")
+    outfile.parent.mkdir(parents=True, exist_ok=True)
+    _run(convert_command(source(cache), decoder, outtype, outfile))
+    return outfile
+
+
+def _mtime(model_dir: Path) -> float:
+    return max(p.stat().st_mtime for p in model_dir.glob("*.safetensors"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def serve(binary: Path, model: Path, threads: int, slots: int, ctx: int) -> Iterator[str]:
+    """A llama-server on loopback with `slots` parallel sequences; yields its base URL."""
+    port = _free_port()
+    cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(ctx * slots)]
+    cmd += ["--no-warmup", "--log-disable"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not start (exit {proc.poll()})")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def _complete(url: str, ids: list[int], new: int) -> dict[str, Any]:
+    """One greedy completion of exactly `new` tokens (end-of-sequence ignored, no prompt cache)."""
+    body = {
+        "prompt": ids,
+        "n_predict": new,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "cache_prompt": False,
+    }
+    req = urllib.request.Request(
+        f"{url}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=600) as r:
+        out: dict[str, Any] = json.load(r)
+    return out
+
+
+def measure(url: str, prompts: list[list[int]], new: int, concurrency: int) -> dict[str, float]:
+    """Output tokens per wall second over all prompts, `concurrency` at a time, and prefill
+    tokens per second as the server timed them."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        outs = list(pool.map(lambda ids: _complete(url, ids, new), prompts))
+    wall = time.perf_counter() - t0
+    tokens = sum(int(o["timings"]["predicted_n"]) for o in outs)
+    prompt_ms = sum(float(o["timings"]["prompt_ms"]) for o in outs)
+    prompt_n = sum(int(o["timings"]["prompt_n"]) for o in outs)
+    return {
+        "output_tok_per_s": round(tokens / wall, 3),
+        "prefill_tok_per_s": round(prompt_n / (prompt_ms / 1000), 3) if prompt_ms else 0.0,
+    }
+
+
+def environment() -> dict[str, str]:
+    """What a reader needs to repeat the peer's numbers."""
+    return {"llama_cpp_python_sdist": VERSION, "cpu": _cpu_name(), "omp": os.environ.get("OMP_NUM_THREADS", "")}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
