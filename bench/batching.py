@@ -17,6 +17,7 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +183,7 @@ def decoder_of(
     import transformers
 
     llava = transformers.LlavaForConditionalGeneration.from_pretrained(model, dtype=dtype)
+    causal: Any
     with torch.device("meta"):  # every weight comes from the checkpoint: none is drawn here
         causal = transformers.LlamaForCausalLM(llava.config.text_config)
     causal.model = llava.model.language_model
@@ -216,6 +218,65 @@ def generate_batch_rate(
     return round(tokens / wall, 3), round(tokens / cpu, 3)
 
 
+def peer(model: Path, name: str, dtype: str = "auto") -> dict[str, Any]:
+    """`--peer llama.cpp`: visor's engine against llama-server on the same decoder (see
+    bench/llamacpp.py), alternating, in one run."""
+    from bench import llamacpp
+
+    if name != "llama.cpp":
+        raise ValueError(f"unknown peer {name!r}: llama.cpp is the one")
+
+    engines: list[Engine] = []
+
+    def ours(threads: int) -> Callable[[list[list[int]], int, int], dict[str, float]]:
+        for old in engines:  # one engine at a time: torch's thread count is per process
+            old.close()
+        sc = _config("token-budget", latency=False)
+        engines.append(Engine(model, "bench", threads, scheduler=sc, dtype=dtype))
+        return lambda prompts, new, concurrency: asyncio.run(
+            _ours_rate(engines[-1], prompts, new, concurrency)
+        )
+
+    try:
+        return {"dtype": dtype, **llamacpp.compare(model, ours)}
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+async def _ours_rate(
+    engine: Engine, prompts: list[list[int]], new: int, concurrency: int
+) -> dict[str, float]:
+    """Output tokens per wall second, `concurrency` requests at a time, and prefill tokens per
+    second (prompt tokens over time to first token, at concurrency 1 only: with more, the first
+    token waits for the others' prefills)."""
+    from core.types import Delta, Result, SamplingParams
+
+    gate = asyncio.Semaphore(concurrency)
+    prefill: list[float] = []
+
+    async def one(ids: list[int]) -> int:
+        async with gate:
+            t0, first = time.perf_counter(), True
+            async for out in engine.generate_ids(ids, SamplingParams(new, min_new_tokens=new)):
+                if isinstance(out, Delta) and first:
+                    prefill.append(time.perf_counter() - t0)
+                    first = False
+                if isinstance(out, Result):
+                    return out.output_tokens
+        return 0
+
+    t0 = time.perf_counter()
+    if concurrency == 1:
+        tokens = sum([await one(p) for p in prompts])
+    else:
+        tokens = sum(await asyncio.gather(*(one(p) for p in prompts)))
+    row = {"output_tok_per_s": round(tokens / (time.perf_counter() - t0), 3)}
+    if concurrency == 1:
+        row["prefill_tok_per_s"] = round(sum(len(p) for p in prompts) / sum(prefill), 3)
+    return row
+
+
 def _plot(
     path: Path,
     policies: dict[str, dict[str, Any]],
@@ -248,7 +309,20 @@ def main(
     plot: Path | None,
     gap: float | None = None,
     quiet: bool = False,
+    peer_name: str | None = None,
+    dtype: str = "auto",
 ) -> int:
+    if peer_name is not None:  # the peer comparison alone: the policy replays take minutes more
+        print(
+            json.dumps(
+                {
+                    "bench": "batching",
+                    "model": model.resolve().name,
+                    "peer": {"name": peer_name, **peer(model, peer_name, dtype)},
+                }
+            )
+        )
+        return 0
     torch.set_num_threads(threads)
     saturated_specs = mixed(n, seed, mean_gap_s=SATURATED_GAP_S)
     saturated = {p: run_policy(model, p, saturated_specs, threads, quiet)[0] for p in POLICIES}

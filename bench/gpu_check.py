@@ -19,13 +19,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 import json
 import signal
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -124,7 +126,10 @@ class Check:
     def engine_for(self, **scheduler: Any) -> Engine:
         assert self.model is not None, "the checkpoint section did not run"
         sc = SchedulerConfig(**scheduler)
-        return Engine(self.model, "gpu-check", self.threads, scheduler=sc, **self._placement())
+        device, dtype = self._placement().values()
+        return Engine(
+            self.model, "gpu-check", self.threads, scheduler=sc, device=device, dtype=dtype
+        )
 
     def _placement(self) -> dict[str, str]:
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch.")}
@@ -206,10 +211,12 @@ def parity(c: Check) -> dict[str, Any]:
             engine.close()
     same, diverge, worst = 0, [], 0.0
     for ref, got in zip(*runs, strict=True):
-        n = next((i for i, (a, b) in enumerate(zip(ref, got)) if a[0] != b[0]), len(ref))
+        n = next(
+            (i for i, (a, b) in enumerate(zip(ref, got, strict=False)) if a[0] != b[0]), len(ref)
+        )
         same += n == len(ref) == len(got)
         diverge.append(n)
-        worst = max([worst, *(abs(a[1] - b[1]) for a, b in zip(ref[:n], got[:n]))])
+        worst = max([worst, *(abs(a[1] - b[1]) for a, b in zip(ref[:n], got[:n], strict=True))])
     return {
         "reference": "cpu float32",
         "candidate": " ".join(c._placement().values()),
@@ -235,7 +242,7 @@ def _decode_rate(log: list[tuple[float, int, int]]) -> float:
     """Tokens per second over the decode-only steps (one token per sequence), each step timed
     from the end of the one before."""
     tokens, seconds = 0, 0.0
-    for (t_prev, _, _), (t, n, seqs) in zip(log, log[1:]):
+    for (t_prev, _, _), (t, n, seqs) in itertools.pairwise(log):
         if n == seqs:
             tokens, seconds = tokens + n, seconds + (t - t_prev)
     return tokens / seconds if seconds else 0.0
@@ -280,7 +287,9 @@ def decode(c: Check) -> dict[str, Any]:
         }
         if bandwidth:
             row["roofline_tok_per_s"] = round(b * bandwidth / step_bytes, 1)
-            row["decode_vs_roofline"] = round(row["decode_tok_per_s"] / row["roofline_tok_per_s"], 3)
+            row["decode_vs_roofline"] = round(
+                row["decode_tok_per_s"] / row["roofline_tok_per_s"], 3
+            )
         out[f"batch{b}"] = row
     engine.step_log = None
     return out
@@ -288,11 +297,9 @@ def decode(c: Check) -> dict[str, Any]:
 
 def _question(engine: Engine, tokens: int) -> str:
     """A question of about `tokens` tokens in the checkpoint's tokenizer."""
-    words, text = "what colour is the circle left of the blue square".split(), ""
-    i = 0
+    words, text = itertools.cycle(("what", "colour", "is", "the", "circle", "left", "of")), ""
     while len(engine.tokenizer.tok.encode(text).ids) < tokens:
-        text = f"{text} {words[i % len(words)]}".strip()
-        i += 1
+        text = f"{text} {next(words)}".strip()
     return text + "?"
 
 
@@ -404,7 +411,7 @@ def encoder(c: Check) -> dict[str, Any]:
     for name, enc in candidates.items():
         row: dict[str, Any] = {"parity_vs_cpu_fp32": _parity(ref, enc.encode(probe)[0])}
         for batch, px in pixels.items():
-            row[f"batch{batch}_ms"] = round(_time(c.device, lambda e=enc, p=px: e.encode(p)), 3)
+            row[f"batch{batch}_ms"] = round(_time(c.device, partial(enc.encode, px)), 3)
         out[name] = row
     return out
 

@@ -10,7 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+if ! "$PY" -c 'import grpc, grpc_tools, structlog, lmdb, xxhash, llguidance' 2>/dev/null \
+  && ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target .visor/gpu-site .whl/*.whl >&2
   export PYTHONPATH=$PWD/.visor/gpu-site${PYTHONPATH:+:$PYTHONPATH}

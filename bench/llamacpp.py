@@ -10,7 +10,6 @@ and through the server, alternating, with the same thread count. Never part of `
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -18,12 +17,13 @@ import sys
 import tarfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from safetensors.torch import load_file, save_file
 
 VERSION = "0.3.36"  # llama-cpp-python sdist whose vendored llama.cpp is built and converted with
@@ -216,9 +216,81 @@ def measure(url: str, prompts: list[list[int]], new: int, concurrency: int) -> d
     }
 
 
+def compare(
+    model: Path,
+    ours: Callable[[int], Callable[[list[list[int]], int, int], dict[str, float]]],
+    threads: tuple[int, ...] = (1, 2),
+    batches: tuple[int, ...] = (1, 8),
+    rounds: int = 2,
+    new: int = 64,
+    seed: int = 7,
+) -> dict[str, Any]:
+    """8 text prompts x `new` forced tokens through visor (`ours(threads)` returns a function of
+    (prompts, new, concurrency)) and llama-server on the f32 and f16 GGUF of the same decoder,
+    alternating within each round, at each thread count and concurrency; the best round of each
+    is kept (the least disturbed by the rest of the machine)."""
+    binary = server_binary()
+    models = {t: gguf(model, t) for t in OUTTYPES}
+    vocab = json.loads((model / "config.json").read_text())["text_config"]["vocab_size"]
+    rng = np.random.default_rng(seed)
+    prompts = [
+        [int(t) for t in rng.integers(5, vocab, int(rng.integers(32, 256)))] for _ in range(8)
+    ]
+    rows: dict[str, Any] = {}
+    for t in threads:
+        run_ours = ours(t)
+        with (
+            serve(binary, models["f32"], t, max(batches), 512) as f32,
+            serve(binary, models["f16"], t, max(batches), 512) as f16,
+        ):
+            peers = {
+                "visor": run_ours,
+                "llama_cpp_f32": _client(f32),
+                "llama_cpp_f16": _client(f16),
+            }
+            best: dict[str, dict[str, dict[str, float]]] = {}
+            for _ in range(rounds):
+                for b in batches:
+                    for name, fn in peers.items():
+                        got = fn(prompts, new, b)
+                        key = f"batch{b}"
+                        prev = best.setdefault(key, {}).get(name)
+                        if prev is None or got["output_tok_per_s"] > prev["output_tok_per_s"]:
+                            best[key][name] = got
+        rows[f"threads{t}"] = {key: _ratios(row) for key, row in best.items()}
+    return {
+        "prompts": len(prompts),
+        "new_tokens": new,
+        "rounds": rounds,
+        **environment(),
+        "results": rows,
+        "targets": {
+            "visor_vs_llama_cpp_f32": ">= 1.0 (batch 1 and 8, 1 and 2 threads)",
+            "prefill_vs_llama_cpp_f32": ">= 1.0",
+        },
+    }
+
+
+def _client(url: str) -> Callable[[list[list[int]], int, int], dict[str, float]]:
+    return lambda prompts, new, concurrency: measure(url, prompts, new, concurrency)
+
+
+def _ratios(row: dict[str, dict[str, float]]) -> dict[str, Any]:
+    ours = row["visor"]
+    out: dict[str, Any] = dict(row)
+    for peer in ("llama_cpp_f32", "llama_cpp_f16"):
+        theirs = row[peer]
+        out[f"visor_vs_{peer}"] = round(ours["output_tok_per_s"] / theirs["output_tok_per_s"], 3)
+        if ours.get("prefill_tok_per_s") and theirs.get("prefill_tok_per_s"):
+            out[f"prefill_vs_{peer}"] = round(
+                ours["prefill_tok_per_s"] / theirs["prefill_tok_per_s"], 3
+            )
+    return out
+
+
 def environment() -> dict[str, str]:
     """What a reader needs to repeat the peer's numbers."""
-    return {"llama_cpp_python_sdist": VERSION, "cpu": _cpu_name(), "omp": os.environ.get("OMP_NUM_THREADS", "")}
+    return {"llama_cpp_python_sdist": VERSION, "cpu": _cpu_name()}
 
 
 def _cpu_name() -> str:
