@@ -111,13 +111,16 @@ def export_decoder(model_dir: Path, out: Path) -> Path:
     return out
 
 
-# The converter refuses a BPE tokenizer whose pre-tokenizer it does not know by hash (the demo
-# tokenizer is trained here, so none is known); the peer is sent token ids, never text, so the
-# GPT-2 pre-tokenizer is named instead of refusing.
+# The converter reads a Llama tokenizer as SentencePiece first and refuses a BPE one whose
+# pre-tokenizer it does not know by hash (the demo tokenizer is trained here, so none is known).
+# The peer is sent token ids, never text: the byte-level BPE (`gpt2`) path is taken, with the
+# GPT-2 pre-tokenizer named.
 _CONVERT = (
-    "import runpy, sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/gguf-py']; "
+    "import sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/gguf-py']; "
     "import convert_hf_to_gguf as c; "
-    "c.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'; "
+    "base = c if hasattr(c, 'TextModel') else __import__('conversion.base').base; "
+    "T = base.TextModel; T.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'; "
+    "T._set_vocab_sentencepiece = T._set_vocab_llama_hf = lambda self: T._set_vocab_gpt2(self); "
     "sys.argv = [sys.argv[1] + '/convert_hf_to_gguf.py', *sys.argv[2:]]; c.main()"
 )
 
