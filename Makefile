@@ -9,7 +9,7 @@ DEBIAN_DEV := libjpeg-dev zlib1g-dev libpng-dev libwebp-dev libtiff-dev libfreet
 MODEL := models/demo
 PIP_QUIET := --quiet --disable-pip-version-check
 
-.PHONY: install run demo test protos lint bench clean interop debian-dev fuzz soak
+.PHONY: install run demo test protos lint bench clean interop debian-dev fuzz soak gpu-wheels
 
 install: $(STAMP)
 
@@ -75,6 +75,11 @@ fuzz: $(STAMP)
 # The noisy-neighbour soak (about 3 minutes): one JSON report, also written to bench/results/.
 soak: $(STAMP) protos $(MODEL)/config.json
 	$(BIN)/visor bench soak --model $(MODEL) --out bench/results/soak.json
+
+# Wheels bench/gpu_check.sh installs offline on a GPU host with only torch + transformers, into
+# .whl/ (git-ignored); PYVER is that host's CPython (312 = 3.12), default this machine's.
+gpu-wheels: $(STAMP)
+	PY=$(BIN)/python bench/gpu_wheels.sh $(PYVER)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -13,9 +13,11 @@ object; `--plot FILE` writes a PNG (throughput and p99 per policy, tokens per st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +56,21 @@ def _progress(total: int, label: str, quiet: bool) -> Any:
     return tqdm(total=total, desc=label, disable=quiet or not sys.stderr.isatty(), leave=False)
 
 
-def _run_policy(
-    model: Path, policy: str, specs: list[Spec], threads: int, quiet: bool, latency: bool = True
+def run_policy(
+    model: Path,
+    policy: str,
+    specs: list[Spec],
+    threads: int,
+    quiet: bool,
+    latency: bool = True,
+    overrides: dict[str, Any] | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
 ) -> tuple[dict[str, Any], list[tuple[float, int, int]]]:
-    engine = Engine(model, "bench", threads, scheduler=_config(policy, latency))
+    """One replay of `specs` on a fresh engine; `overrides` replace `[scheduler]` keys (the GPU
+    check sizes the KV cache for a 7B model), `device`/`dtype` are `[core]`'s."""
+    sc = dataclasses.replace(_config(policy, latency), **(overrides or {}))
+    engine = Engine(model, "bench", threads, scheduler=sc, device=device, dtype=dtype)
     feats = [features_for(engine, s) for s in specs]
     engine.step_log = []
     bar = _progress(len(specs), policy, quiet)
@@ -160,24 +173,108 @@ async def _ours_text(engine: Engine, prompts: list[list[int]], new: int) -> tupl
 
 
 def _theirs_text(model: Path, prompts: list[list[int]], new: int) -> tuple[float, float]:
+    return generate_batch_rate(decoder_of(model), prompts, new)
+
+
+def decoder_of(
+    model: Path, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+) -> Any:
+    """The checkpoint's decoder as a transformers LlamaForCausalLM (shared weights)."""
     import transformers
 
-    llava = transformers.LlavaForConditionalGeneration.from_pretrained(model, dtype=torch.float32)
-    lm = llava.model.language_model
-    causal = transformers.LlamaForCausalLM(llava.config.text_config)
-    causal.model = lm
+    llava = transformers.LlavaForConditionalGeneration.from_pretrained(model, dtype=dtype)
+    causal: Any
+    with torch.device("meta"):  # every weight comes from the checkpoint: none is drawn here
+        causal = transformers.LlamaForCausalLM(llava.config.text_config)
+    causal.model = llava.model.language_model
     causal.lm_head = llava.lm_head
-    causal.eval()
+    return causal.to(device or torch.device("cpu")).eval()
+
+
+def generate_batch_rate(
+    causal: Any, prompts: list[list[int]], new: int, device: torch.device | None = None
+) -> tuple[float, float]:
+    """Output tokens per wall second and per CPU second of `generate_batch` (the second call:
+    the first builds and sizes its cache manager)."""
+    import transformers
+
     cfg = transformers.GenerationConfig(
         max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0
     )
-    # The first call builds and sizes the manager; the timed second call reuses it.
-    causal.generate_batch(prompts, generation_config=cfg, persistent_manager=True)
+    kw: dict[str, Any] = {"generation_config": cfg, "persistent_manager": True}
+    cb = getattr(transformers.generation.configuration_utils, "ContinuousBatchingConfig", None)
+    if cb is not None:  # newer releases: a cache sized to the prompts, not from free memory
+        pages = sum(-(-(len(p) + new) // 256) for p in prompts) + len(prompts)
+        kw["continuous_batching_config"] = cb(num_blocks=pages, max_batch_tokens=2048)
+    causal.generate_batch(prompts, **kw)
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
     t0, c0 = time.perf_counter(), time.process_time()
-    out = causal.generate_batch(prompts, generation_config=cfg, persistent_manager=True)
+    out = causal.generate_batch(prompts, **kw)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    # The manager was sized for these prompts: the next batch size gets its own.
+    getattr(causal, "destroy_cached_continuous_batching_manager", lambda: None)()
     tokens = sum(len(o.generated_tokens) for o in out.values())
     return round(tokens / wall, 3), round(tokens / cpu, 3)
+
+
+def peer(model: Path, name: str, dtype: str = "auto") -> dict[str, Any]:
+    """`--peer llama.cpp`: visor's engine against llama-server on the same decoder (see
+    bench/llamacpp.py), alternating, in one run."""
+    from bench import llamacpp
+
+    if name != "llama.cpp":
+        raise ValueError(f"unknown peer {name!r}: llama.cpp is the one")
+
+    engines: list[Engine] = []
+
+    def ours(threads: int) -> Callable[[list[list[int]], int, int], dict[str, float]]:
+        for old in engines:  # one engine at a time: torch's thread count is per process
+            old.close()
+        sc = _config("token-budget", latency=False)
+        engines.append(Engine(model, "bench", threads, scheduler=sc, dtype=dtype))
+        return lambda prompts, new, concurrency: asyncio.run(
+            _ours_rate(engines[-1], prompts, new, concurrency)
+        )
+
+    try:
+        return {"dtype": dtype, **llamacpp.compare(model, ours)}
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+async def _ours_rate(
+    engine: Engine, prompts: list[list[int]], new: int, concurrency: int
+) -> dict[str, float]:
+    """Output tokens per wall second, `concurrency` requests at a time, and prefill tokens per
+    second (prompt tokens over time to first token, at concurrency 1 only: with more, the first
+    token waits for the others' prefills)."""
+    from core.types import Delta, Result, SamplingParams
+
+    gate = asyncio.Semaphore(concurrency)
+    prefill: list[float] = []
+
+    async def one(ids: list[int]) -> int:
+        async with gate:
+            t0, first = time.perf_counter(), True
+            async for out in engine.generate_ids(ids, SamplingParams(new, min_new_tokens=new)):
+                if isinstance(out, Delta) and first:
+                    prefill.append(time.perf_counter() - t0)
+                    first = False
+                if isinstance(out, Result):
+                    return out.output_tokens
+        return 0
+
+    t0 = time.perf_counter()
+    if concurrency == 1:
+        tokens = sum([await one(p) for p in prompts])
+    else:
+        tokens = sum(await asyncio.gather(*(one(p) for p in prompts)))
+    row = {"output_tok_per_s": round(tokens / (time.perf_counter() - t0), 3)}
+    if concurrency == 1:
+        row["prefill_tok_per_s"] = round(sum(len(p) for p in prompts) / sum(prefill), 3)
+    return row
 
 
 def _plot(
@@ -212,10 +309,23 @@ def main(
     plot: Path | None,
     gap: float | None = None,
     quiet: bool = False,
+    peer_name: str | None = None,
+    dtype: str = "auto",
 ) -> int:
+    if peer_name is not None:  # the peer comparison alone: the policy replays take minutes more
+        print(
+            json.dumps(
+                {
+                    "bench": "batching",
+                    "model": model.resolve().name,
+                    "peer": {"name": peer_name, **peer(model, peer_name, dtype)},
+                }
+            )
+        )
+        return 0
     torch.set_num_threads(threads)
     saturated_specs = mixed(n, seed, mean_gap_s=SATURATED_GAP_S)
-    saturated = {p: _run_policy(model, p, saturated_specs, threads, quiet)[0] for p in POLICIES}
+    saturated = {p: run_policy(model, p, saturated_specs, threads, quiet)[0] for p in POLICIES}
     load = None
     if gap is None:
         load = LOAD
@@ -223,12 +333,12 @@ def main(
     specs = mixed(n, seed, mean_gap_s=gap)
     policies, steps = {}, []
     for policy in POLICIES:
-        policies[policy], log = _run_policy(model, policy, specs, threads, quiet)
+        policies[policy], log = run_policy(model, policy, specs, threads, quiet)
         if policy == "token-budget":
             steps = log
     heavy_specs = mixed(n, seed + 1, mean_gap_s=0.5, decode_heavy=True)
     heavy = {
-        p: _run_policy(model, p, heavy_specs, threads, quiet, latency=False)[0]
+        p: run_policy(model, p, heavy_specs, threads, quiet, latency=False)[0]
         for p in ("token-budget", "none")
     }
     ratio = heavy["token-budget"]["output_tok_per_s"] / heavy["none"]["output_tok_per_s"]

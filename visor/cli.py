@@ -240,7 +240,15 @@ def _bench_batching(args: argparse.Namespace) -> int:
 
     logs.configure("bench", "warning")
     return batching.main(
-        Path(args.model), args.n, args.seed, args.threads, args.plot, args.gap, quiet=args.json
+        Path(args.model),
+        args.n,
+        args.seed,
+        args.threads,
+        args.plot,
+        args.gap,
+        quiet=args.json,
+        peer_name=args.peer,
+        dtype=args.dtype,
     )
 
 
@@ -285,6 +293,13 @@ def _add_scheduler_benches(bs: Any) -> None:
                 help="mean seconds between arrivals in the latency replay (default: the gap "
                 "that offers 0.9 of request-count's throughput, measured first)",
             )
+            p.add_argument(
+                "--peer",
+                choices=("llama.cpp",),
+                help="instead: visor vs llama-server on the same decoder (built on demand under "
+                ".visor/llama.cpp; 8 prompts x 64 tokens, batch 1 and 8, 1 and 2 threads)",
+            )
+            p.add_argument("--dtype", default="auto", help="[core] dtype of visor's side of --peer")
         p.set_defaults(fn=fn)
 
 

@@ -73,6 +73,30 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vocab_size": 2048,
         "vision_feature_layer": -2,  # llava-hf's default: the penultimate layer
     },
+    # LLaVA-1.5-7B's shapes (CLIP ViT-L/14 at 336 px, Llama-2-7B), random weights: for the GPU
+    # check (bench/gpu_check.py), built on the device in bf16 (13.5 GB) rather than downloaded.
+    # The tokenizer trained here is small; the model's vocabulary is padded to 7B's 32064 rows
+    # (ids past the tokenizer's decode to nothing) so the embedding and LM head weigh the same.
+    "llava-7b": {
+        "vision": {
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 16,
+            "image_size": 336,
+            "patch_size": 14,
+        },
+        "text": {
+            "hidden_size": 4096,
+            "intermediate_size": 11008,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+        },
+        "vocab_size": 2048,
+        "model_vocab_size": 32064,
+        "vision_feature_layer": -2,
+    },
 }
 _WORDS = [
     "a",
@@ -200,8 +224,16 @@ def sincos_positions(rows: int, dim: int) -> torch.Tensor:
     return table
 
 
-def build(out: Path, preset: str = "demo", seed: int = 0) -> Path:
-    """Writes config.json, preprocessor/tokenizer configs, tokenizer.json and model.safetensors."""
+def build(
+    out: Path,
+    preset: str = "demo",
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Writes config.json, preprocessor/tokenizer configs, tokenizer.json and model.safetensors.
+    The weights are drawn on `device` (a 7B model's init is minutes on a CPU, a second on a GPU)
+    and saved in `dtype`; the draw is seeded per device, not bitwise the same across devices."""
     spec = PRESETS[preset]
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(spec["vocab_size"])
@@ -222,7 +254,7 @@ def build(out: Path, preset: str = "demo", seed: int = 0) -> Path:
         },
         "text_config": {
             "model_type": "llama",
-            "vocab_size": tok.get_vocab_size(),
+            "vocab_size": max(tok.get_vocab_size(), spec.get("model_vocab_size", 0)),
             "max_position_embeddings": 8192,
             "rms_norm_eps": 1e-6,
             "rope_theta": 10000.0,
@@ -261,7 +293,8 @@ def build(out: Path, preset: str = "demo", seed: int = 0) -> Path:
     ):
         (out / name).write_text(json.dumps(data, indent=2) + "\n")
     torch.manual_seed(seed)
-    model = Llava(model_config.parse(raw, pre))
+    with torch.device(device):
+        model = Llava(model_config.parse(raw, pre))
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv2d)):
             nn.init.normal_(module.weight, std=0.02)
@@ -276,5 +309,5 @@ def build(out: Path, preset: str = "demo", seed: int = 0) -> Path:
         # at 0.02 over 28 x 28 x 3 inputs it is ~2 and hides where the patch is (measured: a
         # linear probe reads a patch's row at 52% from the tower's output, at 100% with this).
         embeddings.patch_embedding.weight.mul_(0.1)
-    save(model, out / "model.safetensors")
+    save(model.to("cpu", dtype), out / "model.safetensors")
     return out
