@@ -49,6 +49,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "num_key_value_heads": 2,
         },
         "vocab_size": 512,
+        "model_vocab_size": 0,  # rows of the embedding; 0 = the tokenizer's
         # The last layer's output: every layer of the small tower is used.
         "vision_feature_layer": -1,
     },
@@ -71,6 +72,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "num_key_value_heads": 4,
         },
         "vocab_size": 2048,
+        "model_vocab_size": 0,  # rows of the embedding; 0 = the tokenizer's
         "vision_feature_layer": -2,  # llava-hf's default: the penultimate layer
     },
     # LLaVA-1.5-7B's shapes (CLIP ViT-L/14 at 336 px, Llama-2-7B), random weights: for the GPU
@@ -254,7 +256,7 @@ def build(
         },
         "text_config": {
             "model_type": "llama",
-            "vocab_size": max(tok.get_vocab_size(), spec.get("model_vocab_size", 0)),
+            "vocab_size": max(tok.get_vocab_size(), spec["model_vocab_size"]),
             "max_position_embeddings": 8192,
             "rms_norm_eps": 1e-6,
             "rope_theta": 10000.0,
