@@ -42,6 +42,7 @@ async def run(cfg: CoreConfig, cache: CacheConfig, sched: SchedulerConfig, core_
         sched,
         cfg.device,
         cfg.dtype,
+        cfg.gpu_memory_fraction,
     )
     encoder_thread = EncoderThread()  # batches never wait for, nor hold up, an LLM step
     queue = VisionQueue(

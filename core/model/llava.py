@@ -6,7 +6,8 @@ import hashlib
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from core.model import config as model_config
@@ -25,6 +26,7 @@ _PREFIXES = (
 )
 _IGNORED_SUFFIXES = ("position_ids", "rotary_emb.inv_freq")
 _ENCODER_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+CPU = torch.device("cpu")
 
 
 class Projector(nn.Module):
@@ -122,7 +124,9 @@ class Llava(nn.Module):
         for name, tensor in sorted(self.state_dict().items()):
             if name.startswith(_ENCODER_PREFIXES):
                 digest.update(name.encode())
-                digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+                # Raw bytes (numpy has no bfloat16): float32 weights hash as they always did.
+                raw = tensor.detach().contiguous().cpu().view(torch.uint8)
+                digest.update(raw.numpy().tobytes())
         return digest.hexdigest()
 
 
@@ -140,24 +144,33 @@ def canonical_name(name: str) -> str | None:
     return name
 
 
-def load(model_dir: Path) -> Llava:
+def load(
+    model_dir: Path,
+    device: torch.device = CPU,
+    dtype: torch.dtype = torch.float32,
+) -> Llava:
+    """The checkpoint's weights read straight onto `device` one tensor at a time, each cast to
+    `dtype` there once (float32 on the CPU, the default, is exactly the checkpoint's values)."""
     cfg = model_config.load(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     state: dict[str, torch.Tensor] = {}
     for path in files:
-        for name, tensor in load_file(str(path)).items():
-            canonical = canonical_name(name)
-            if canonical is not None:
-                state[canonical] = tensor
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                canonical = canonical_name(name)
+                if canonical is not None:
+                    tensor = f.get_tensor(name)
+                    state[canonical] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     if "lm_head.weight" not in state and cfg.text.tie_word_embeddings:
         state["lm_head.weight"] = state["language_model.embed_tokens.weight"]
     with torch.device("meta"):
         model = Llava(cfg)
     model.load_state_dict(state, strict=True, assign=True)
-    model.reset_buffers()
-    return model.float().eval()
+    with torch.device(device):  # the derived buffers (float32) beside the weights
+        model.reset_buffers()
+    return model.eval()
 
 
 def save(model: Llava, path: Path) -> None:
