@@ -109,12 +109,10 @@ class ModelRunner:
 
     def _new_state(self, new: NewRequestData) -> _RequestState:
         check_params(new.params)
-        image = None
-        if new.features:
-            image = torch.from_numpy(np.concatenate(new.features)).to(self.device)
+        image = torch.from_numpy(np.concatenate(new.features)) if new.features else None
         ids = list(new.prompt_token_ids)
         return _RequestState(
-            prompt_embeds=self.model.embed(torch.tensor(ids, device=self.device), image),
+            prompt_embeds=self.model.embed(ids, image),
             token_ids=ids,
             num_prompt_tokens=len(ids),
             params=new.params,
@@ -147,11 +145,12 @@ class ModelRunner:
             table = torch.tensor(c.block_ids)
             seq_chunks.append(paged.SeqChunk(c.start, c.num_tokens, table, c.sample))
             end, prompt = c.start + c.num_tokens, state.num_prompt_tokens
+            # narrow, not [a:b]: slicing cannot run on the fake CUDA tensors of the device test.
             if c.start < prompt:
-                embeds.append(state.prompt_embeds[c.start : min(end, prompt)])
+                embeds.append(state.prompt_embeds.narrow(0, c.start, min(end, prompt) - c.start))
             if end > prompt:
                 num = end - max(c.start, prompt)
-                embeds.append(tokens[used : used + num])
+                embeds.append(tokens.narrow(0, used, num))
                 used += num
         return paged.forward(self.model, torch.cat(embeds), seq_chunks, self.kv)
 

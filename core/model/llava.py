@@ -97,17 +97,23 @@ class Llava(nn.Module):
             self.cfg, self.vision_tower, self.multi_modal_projector, pixels
         )
 
-    def embed(self, token_ids: torch.Tensor, image_features: torch.Tensor | None) -> torch.Tensor:
-        """Token embeddings with image-token positions replaced by image features, in order."""
-        is_image = token_ids == self.cfg.image_token_id
-        safe_ids = token_ids.masked_fill(is_image, 0)
-        embeds = self.language_model.embed_tokens(safe_ids)
-        num_image = int(is_image.sum())
+    def embed(
+        self, token_ids: list[int] | torch.Tensor, image_features: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Token embeddings, on the weights' device, with image-token positions replaced by image
+        features, in order. The ids are counted on the host, without waiting for the device."""
+        ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
+        image_id, device = self.cfg.image_token_id, self.language_model.embed_tokens.weight.device
+        num_image = ids.count(image_id)
+        host = torch.tensor([0 if i == image_id else i for i in ids])
+        embeds = self.language_model.embed_tokens(host.to(device))
         if num_image:
             if image_features is None or image_features.shape[0] != num_image:
                 have = 0 if image_features is None else image_features.shape[0]
                 raise ValueError(f"{num_image} image tokens but {have} image feature rows")
-            embeds = embeds.masked_scatter(is_image[:, None], image_features.to(embeds.dtype))
+            is_image = torch.tensor([i == image_id for i in ids]).to(device)
+            rows = image_features.to(device, embeds.dtype)
+            embeds = embeds.masked_scatter(is_image[:, None], rows)
         return embeds
 
     def forward_tokens(self, embeds: torch.Tensor, cache: KVCache) -> torch.Tensor:
