@@ -37,11 +37,11 @@ def noise_key(seed: int, counter: int) -> int:
     return _mix32(_mix32(_mix32(seed >> 32) ^ (seed & _MASK32)) ^ (counter & _MASK32))
 
 
-def gumbel(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(rows, vocab) float32 Gumbel noise, row r from `keys[r]` (int64, on the logits' device):
-    counter-based, so a row's noise is the same whatever else is in the batch and on any device.
+def gumbel(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Float32 Gumbel noise of token `ids[r, c]` (or `ids[c]`, the same ids for every row) under
+    `keys[r]`, on the keys' device: counter-based, so a token's noise depends on its request's
+    key and its id only, not on the batch, the device or which other ids are drawn beside it.
     Uniforms take 24 bits of the hash (exact in float32), never 0 or 1."""
-    ids = torch.arange(vocab, device=keys.device, dtype=torch.int64)
     bits = _mix32((keys[:, None] + ids * _GOLDEN) & _MASK32)
     u = ((bits >> 8).float() + 0.5) * 2.0**-24
     return -torch.log(-torch.log(u))
@@ -78,7 +78,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, key: int) -> int:
         # Drop a token when the mass before it already reaches top_p (the first always stays).
         drop = (probs.cumsum(-1) - probs) >= torch.tensor(params.top_p, dtype=torch.float32)
         scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
-    noise = gumbel(torch.tensor([key], device=logits.device), scores.shape[-1])[0]
+    ids = torch.arange(scores.shape[-1], device=logits.device)
+    noise = gumbel(torch.tensor([key], device=logits.device), ids)[0]
     return int(torch.argmax(scores + noise))
 
 
@@ -96,6 +97,18 @@ class SampleRow:
 class SampledRow:
     token: int  # the sampled id; -1 when the row had no finite logit to sample from
     logprobs: SampleLogprobs | None  # when asked for, under the raw logits
+
+
+def _top_p(scores: torch.Tensor, top_p: torch.Tensor, is_sorted: bool) -> torch.Tensor:
+    """`scores` with each row's tokens past its nucleus at -inf: a token is dropped when the mass
+    before it already reaches the row's top_p (the first always stays; top_p 0 or 1: none)."""
+    order = None
+    if not is_sorted:
+        scores, order = torch.sort(scores, dim=-1, descending=True)
+    probs = torch.softmax(scores, dim=-1)
+    cut = torch.where((top_p > 0) & (top_p < 1), top_p, float("inf"))
+    kept = scores.masked_fill((probs.cumsum(-1) - probs) >= cut[:, None], float("-inf"))
+    return kept if order is None else torch.empty_like(kept).scatter_(1, order, kept)
 
 
 class Sampler:
@@ -158,26 +171,33 @@ class Sampler:
         keys: torch.Tensor,
         rows: list[SampleRow],
     ) -> torch.Tensor:
-        """`sample`'s non-greedy branch on every row (-1 where no logit is finite)."""
+        """`sample`'s non-greedy branch on every row (-1 where no logit is finite). When every
+        sampling row has a top-k, only the `max(k)` best tokens of each row are sorted, masked
+        and drawn from (same tokens, same noise: a fraction of the work at a large vocabulary)."""
         vocab = logits.shape[-1]
         top = logits.max(dim=-1, keepdim=True).values
         scores = (logits - top) / t[:, None]
-        use_k = any(0 < r.params.top_k < vocab for r in rows)
-        use_p = any(0 < r.params.top_p < 1 for r in rows)
-        if use_k or use_p:
-            # One sort serves both: top-k reads its k-th score, top-p the cumulative mass.
-            sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-            if use_k:
-                kth = sorted_scores.gather(1, (top_k.clamp(1, vocab) - 1)[:, None])
-                kth = torch.where(((top_k > 0) & (top_k < vocab))[:, None], kth, float("-inf"))
-                sorted_scores = sorted_scores.masked_fill(sorted_scores < kth, float("-inf"))
-                scores = scores.masked_fill(scores < kth, float("-inf"))
-            if use_p:
-                probs = torch.softmax(sorted_scores, dim=-1)
-                cut = torch.where((top_p > 0) & (top_p < 1), top_p, float("inf"))
-                drop = (probs.cumsum(-1) - probs) >= cut[:, None]
-                scores = scores.scatter(1, order, sorted_scores.masked_fill(drop, float("-inf")))
-        drawn = torch.argmax(scores + gumbel(keys, vocab), dim=-1)
+        drawing = [r.params for r in rows if r.params.temperature >= GREEDY_BELOW]
+        ks = [p.top_k for p in drawing if 0 < p.top_k < vocab]
+        has_k = (top_k > 0) & (top_k < vocab)
+        ids = None
+        if len(ks) == len(drawing):  # all rows keep at most max(ks): draw among those only
+            scores, ids = torch.topk(scores, max(ks))  # sorted, best first
+            kth = scores.gather(1, (top_k.clamp(1, max(ks)) - 1)[:, None])
+            scores = scores.masked_fill(has_k[:, None] & (scores < kth), float("-inf"))
+        elif ks:
+            kth = torch.topk(scores, max(ks)).values.gather(
+                1, (top_k.clamp(1, max(ks)) - 1)[:, None]
+            )
+            scores = scores.masked_fill(has_k[:, None] & (scores < kth), float("-inf"))
+        if any(0 < p.top_p < 1 for p in drawing):
+            scores = _top_p(scores, top_p, is_sorted=ids is not None)
+        if ids is None:
+            ids = torch.arange(vocab, device=logits.device)
+            drawn = torch.argmax(scores + gumbel(keys, ids), dim=-1)
+        else:
+            best = torch.argmax(scores + gumbel(keys, ids), dim=-1)
+            drawn = ids.gather(1, best[:, None])[:, 0]
         return torch.where(torch.isfinite(top[:, 0]), drawn, -1)
 
     @staticmethod

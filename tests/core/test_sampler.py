@@ -54,7 +54,9 @@ def _reference(row: SampleRow, logits: torch.Tensor) -> int:
         return -1
 
 
-def _random_step(rng: random.Random, n: int) -> tuple[list[SampleRow], torch.Tensor, torch.Tensor]:
+def _random_step(
+    rng: random.Random, n: int, top_ks: tuple[int, ...] = (0, 0, 1, 5, 50, VOCAB, 1000)
+) -> tuple[list[SampleRow], torch.Tensor, torch.Tensor]:
     rows, masked_rows = [], []
     raw = torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
     raw *= rng.choice([0.5, 3.0, 10.0])
@@ -62,7 +64,7 @@ def _random_step(rng: random.Random, n: int) -> tuple[list[SampleRow], torch.Ten
         params = SamplingParams(
             max_new_tokens=8,
             temperature=rng.choice([0.0, 1e-6, 0.3, 1.0, 2.0, 100.0]),
-            top_k=rng.choice([0, 0, 1, 5, 50, VOCAB, 1000]),
+            top_k=rng.choice(top_ks),
             top_p=rng.choice([0.0, 1.0, 1.0, 0.95, 0.5, 0.05]),
             logprobs=rng.random() < 0.5,
             top_logprobs=rng.choice([0, 1, 5, 20]),
@@ -81,10 +83,12 @@ def _random_step(rng: random.Random, n: int) -> tuple[list[SampleRow], torch.Ten
     return rows, raw, torch.stack(masked_rows)
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(12))
 def test_batched_sampling_equals_the_per_sequence_reference(seed: int) -> None:
     rng = random.Random(seed)
-    rows, raw, masked = _random_step(rng, rng.randrange(1, 40))
+    # From seed 8 on, every row has a top-k: the sampler draws among the top tokens only.
+    top_ks = (1, 5, 50, 299) if seed >= 8 else (0, 0, 1, 5, 50, VOCAB, 1000)
+    rows, raw, masked = _random_step(rng, rng.randrange(1, 40), top_ks)
     got = _batched(rows, raw, masked)
     want = [_reference(row, masked[i]) for i, row in enumerate(rows)]
     assert [g.token for g in got] == want
@@ -158,7 +162,9 @@ def test_draws_follow_the_distribution_asked_for() -> None:
 
 def test_gumbel_noise_is_keyed_by_row() -> None:
     keys = torch.tensor([noise_key(5, 0), noise_key(5, 1), noise_key(5, 0)])
-    noise = gumbel(keys, 1000)
+    noise = gumbel(keys, torch.arange(1000))
+    some = torch.tensor([[5, 900, 17]] * 3)  # a row's noise for an id does not depend on the rest
+    assert torch.equal(gumbel(keys, some), noise[:, [5, 900, 17]])
     assert torch.equal(noise[0], noise[2]) and not torch.equal(noise[0], noise[1])
     assert torch.isfinite(noise).all()
     # Gumbel(0, 1): mean is the Euler-Mascheroni constant, variance pi^2 / 6.
