@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from core.generate import sample
+from core.generate import noise_key, sample
 from core.structured import JSON_OPTIONS, unpack
 from core.types import SamplingParams
 
@@ -268,7 +268,7 @@ def _steps(lib: Library | None, compiled: Any, num_steps: int, seed: int) -> Run
     states = [lib.start(compiled) for _ in range(BATCH)] if lib else []
     run = Run([], [], [], [])
     bitmask = torch.full((BATCH, (Library.vocab + 31) // 32), -1, dtype=torch.int32)
-    for _ in range(num_steps):
+    for step in range(num_steps):
         logits = torch.randn(BATCH, Library.vocab, generator=gen)
         t0 = time.perf_counter()
         if lib:
@@ -277,7 +277,7 @@ def _steps(lib: Library | None, compiled: Any, num_steps: int, seed: int) -> Run
         if lib:
             logits = logits.masked_fill(~unpack(bitmask, bits, Library.vocab), float("-inf"))
         t2 = time.perf_counter()
-        tokens = [sample(logits[i], PARAMS, gen) for i in range(BATCH)]
+        tokens = [sample(logits[i], PARAMS, noise_key(seed + i, step)) for i in range(BATCH)]
         t3 = time.perf_counter()
         if lib:
             for i, token in enumerate(tokens):
@@ -336,6 +336,7 @@ def _coverage(lib: Library, samples: int, max_tokens: int) -> dict[str, Any]:
         done = valid = 0
         gen = torch.Generator().manual_seed(7)
         bits = torch.arange(32, dtype=torch.int32)
+        draws = 0
         for _ in range(samples):
             state, ids = lib.start(compiled), []
             for _ in range(max_tokens):
@@ -343,7 +344,8 @@ def _coverage(lib: Library, samples: int, max_tokens: int) -> dict[str, Any]:
                 lib.fill([state], mask)
                 logits = torch.randn(lib.vocab, generator=gen)
                 logits = logits.masked_fill(~unpack(mask, bits, lib.vocab)[0], float("-inf"))
-                token = sample(logits, PARAMS, gen)
+                token = sample(logits, PARAMS, noise_key(7, draws))
+                draws += 1
                 if token == EOS or lib.advance(state, token):
                     done += 1
                     ids.append(token)

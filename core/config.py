@@ -21,6 +21,7 @@ class CoreConfig:
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
     device: str = "auto"  # auto | cpu | cuda | cuda:N; auto = the first CUDA device, else the CPU
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16; auto = bf16 on CUDA, float32 on CPU
+    gpu_memory_fraction: float = 0.9  # CUDA: share of GPU memory for weights + KV cache
     encoder: str = "auto"  # auto | torch | onnxruntime | tensorrt
     artifacts_dir: str = "~/.cache/visor/artifacts"  # ONNX export and TensorRT engines
     encode_batch_tiles: int = 16  # vision queue: tiles per encoder batch
@@ -35,6 +36,8 @@ class CoreConfig:
         split_host_port(self.listen)
         if self.num_threads < 0 or self.grace_s < 0 or self.encode_max_wait_ms < 0:
             raise ConfigError("[core] num_threads, grace_s and encode_max_wait_ms must be >= 0")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ConfigError("[core] gpu_memory_fraction must be in (0, 1]")
         if self.encode_batch_tiles < 1:
             raise ConfigError("[core] encode_batch_tiles must be >= 1")
         from core.device import resolve

@@ -35,7 +35,7 @@ import torch
 
 from core import encoders, metrics
 from core.config import SchedulerConfig
-from core.device import resolve
+from core.device import kv_cache_bytes, resolve
 from core.generate import TextStream, token_logprobs
 from core.input_processor import Admitted, InputProcessor
 from core.model import llava, paged
@@ -47,6 +47,7 @@ from core.sequence import EngineFailure, Event, Finished, RequestStatus, Sequenc
 from core.structured import GrammarCompiler
 from core.types import CoreInfo, Delta, InferRequest, Result, SamplingParams
 from shared import logs
+from shared.config import ConfigError
 from shared.errors import Reason, VisorError
 
 PREPROCESS_VERSION = "pp1"
@@ -99,6 +100,7 @@ class Engine:
         device: str = "auto",
         dtype: str = "auto",
         batch_invariant: bool = True,
+        gpu_memory_fraction: float = 0.9,
     ) -> None:
         if not (model_dir / "config.json").exists():
             raise FileNotFoundError(
@@ -108,7 +110,7 @@ class Engine:
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.device, self.dtype = resolve(device, dtype)
-        self.model = llava.load(model_dir)
+        self.model = llava.load(model_dir, self.device, self.dtype)
         cfg = self.model.cfg
         self.tokenizer = ChatTokenizer(model_dir, cfg.image_token_id)
         eos = self.tokenizer.tok.token_to_id(self.tokenizer.eos_token)
@@ -125,7 +127,7 @@ class Engine:
             image_std=cfg.image_std,
         )
         self.batch_invariant = batch_invariant
-        self._build(scheduler or SchedulerConfig())
+        self._build(scheduler or SchedulerConfig(), gpu_memory_fraction)
         self._inbox = _Inbox()
         # Each live request's state and stream, by seq_id (model thread only).
         self._live: dict[int, tuple[Sequence, Callable[[Event], None]]] = {}
@@ -140,14 +142,21 @@ class Engine:
             encoder, self.model, folder.expanduser(), num_threads, self.device, self.dtype
         )
 
-    def _build(self, sc: SchedulerConfig) -> None:
+    def _build(self, sc: SchedulerConfig, gpu_memory_fraction: float) -> None:
         """The input processor, scheduler and runner, from the `[scheduler]` section and the
-        model's shape."""
+        model's shape; on CUDA the KV cache takes what the loaded weights leave of
+        `gpu_memory_fraction` of the device."""
         text = self.model.cfg.text
         per_block = paged.PagedKV.bytes_per_block(
-            text.num_layers, sc.block_size, text.num_kv_heads, text.head_dim
+            text.num_layers, sc.block_size, text.num_kv_heads, text.head_dim, self.dtype
         )
-        num_blocks = max(1, (sc.kv_cache_mb << 20) // per_block)
+        budget = kv_cache_bytes(self.device, sc.kv_cache_mb, gpu_memory_fraction)
+        if budget < per_block:
+            raise ConfigError(
+                f"[core] gpu_memory_fraction = {gpu_memory_fraction} leaves no room for the KV "
+                f"cache on {self.device} once the weights are loaded"
+            )
+        num_blocks = budget // per_block
         max_request_tokens = min(
             sc.max_request_tokens, text.max_position_embeddings, num_blocks * sc.block_size
         )

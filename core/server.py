@@ -43,6 +43,7 @@ async def run(cfg: CoreConfig, cache: CacheConfig, sched: SchedulerConfig, core_
         cfg.device,
         cfg.dtype,
         cfg.batch_invariant,
+        cfg.gpu_memory_fraction,
     )
     encoder_thread = EncoderThread()  # batches never wait for, nor hold up, an LLM step
     queue = VisionQueue(

@@ -149,8 +149,10 @@ class TokenMasks:
         bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
         pairs = [(r.matcher, i) for i, r in enumerate(rows)]
         self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(rows))
-        allowed = unpack(bitmask, self._bits, logits.shape[-1])
-        index = torch.tensor([r.row for r in rows])
+        # llguidance fills host memory: one copy of the words to the logits' device.
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        allowed = unpack(bitmask, self._bits.to(logits.device), logits.shape[-1])
+        index = torch.tensor([r.row for r in rows], device=logits.device)
         out = logits.clone()
         out[index] = logits[index].masked_fill(~allowed, float("-inf"))
         return out
@@ -163,5 +165,5 @@ def unpack(bitmask: torch.Tensor, bits: torch.Tensor, vocab: int) -> torch.Tenso
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)
     if allowed.shape[1] >= vocab:
         return allowed[:, :vocab]
-    pad = torch.zeros(allowed.shape[0], vocab - allowed.shape[1], dtype=torch.bool)
+    pad = allowed.new_zeros(allowed.shape[0], vocab - allowed.shape[1])
     return torch.cat([allowed, pad], dim=1)

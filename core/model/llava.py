@@ -6,7 +6,8 @@ import hashlib
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from core.model import config as model_config
@@ -30,6 +31,7 @@ _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+CPU = torch.device("cpu")
 
 
 class Projector(nn.Module):
@@ -100,17 +102,23 @@ class Llava(nn.Module):
             self.cfg, self.vision_tower, self.multi_modal_projector, pixels
         )
 
-    def embed(self, token_ids: torch.Tensor, image_features: torch.Tensor | None) -> torch.Tensor:
-        """Token embeddings with image-token positions replaced by image features, in order."""
-        is_image = token_ids == self.cfg.image_token_id
-        safe_ids = token_ids.masked_fill(is_image, 0)
-        embeds = self.language_model.embed_tokens(safe_ids)
-        num_image = int(is_image.sum())
+    def embed(
+        self, token_ids: list[int] | torch.Tensor, image_features: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Token embeddings, on the weights' device, with image-token positions replaced by image
+        features, in order. The ids are counted on the host, without waiting for the device."""
+        ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
+        image_id, device = self.cfg.image_token_id, self.language_model.embed_tokens.weight.device
+        num_image = ids.count(image_id)
+        host = torch.tensor([0 if i == image_id else i for i in ids])
+        embeds = self.language_model.embed_tokens(host.to(device))
         if num_image:
             if image_features is None or image_features.shape[0] != num_image:
                 have = 0 if image_features is None else image_features.shape[0]
                 raise ValueError(f"{num_image} image tokens but {have} image feature rows")
-            embeds = embeds.masked_scatter(is_image[:, None], image_features.to(embeds.dtype))
+            is_image = torch.tensor([i == image_id for i in ids]).to(device)
+            rows = image_features.to(device, embeds.dtype)
+            embeds = embeds.masked_scatter(is_image[:, None], rows)
         return embeds
 
     def forward_tokens(self, embeds: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -127,7 +135,9 @@ class Llava(nn.Module):
         for name, tensor in sorted(self.state_dict().items()):
             if name.startswith(_ENCODER_PREFIXES):
                 digest.update(name.encode())
-                digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+                # Raw bytes (numpy has no bfloat16): float32 weights hash as they always did.
+                raw = tensor.detach().contiguous().cpu().view(torch.uint8)
+                digest.update(raw.numpy().tobytes())
         return digest.hexdigest()
 
 
@@ -145,25 +155,34 @@ def canonical_name(name: str) -> str | None:
     return name
 
 
-def load(model_dir: Path) -> Llava:
+def load(
+    model_dir: Path,
+    device: torch.device = CPU,
+    dtype: torch.dtype = torch.float32,
+) -> Llava:
+    """The checkpoint's weights read straight onto `device` one tensor at a time, each cast to
+    `dtype` there once (float32 on the CPU, the default, is exactly the checkpoint's values)."""
     cfg = model_config.load(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     state: dict[str, torch.Tensor] = {}
     for path in files:
-        for name, tensor in load_file(str(path)).items():
-            canonical = canonical_name(name)
-            if canonical is not None:
-                state[canonical] = tensor
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                canonical = canonical_name(name)
+                if canonical is not None:
+                    tensor = f.get_tensor(name)
+                    state[canonical] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     if "lm_head.weight" not in state and cfg.text.tie_word_embeddings:
         state["lm_head.weight"] = state["language_model.embed_tokens.weight"]
     _fuse(state, cfg.text.num_layers)
     with torch.device("meta"):
         model = Llava(cfg)
     model.load_state_dict(state, strict=True, assign=True)
-    model.reset_buffers()
-    return model.float().eval()
+    with torch.device(device):  # the derived buffers (float32) beside the weights
+        model.reset_buffers()
+    return model.eval()
 
 
 def _fuse(state: dict[str, torch.Tensor], num_layers: int) -> None:

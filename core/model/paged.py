@@ -79,21 +79,36 @@ class StepMetadata:
 
 
 class PagedKV:
-    """Key and value storage: per layer a (kv_heads, num_blocks, block_size, head_dim) tensor,
-    heads first so that the step's keys gather into the (kv_heads, keys, head_dim) layout
-    attention reads in one copy. The KV-cache manager decides who owns which block."""
+    """Key and value storage, in the model's dtype on its device: per layer a (kv_heads,
+    num_blocks, block_size, head_dim) tensor, heads first so that gathering a sequence's blocks
+    yields the (kv_heads, keys, head_dim) layout attention reads in one copy. The KV-cache manager
+    decides who owns which block."""
 
     def __init__(
-        self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
     ) -> None:
         shape = (kv_heads, num_blocks, block_size, head_dim)
         self.block_size = block_size
-        self.keys = [torch.zeros(shape) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape) for _ in range(num_layers)]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int) -> int:
-        return 2 * num_layers * block_size * kv_heads * head_dim * 4  # float32 keys + values
+    def bytes_per_block(
+        num_layers: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> int:
+        """Keys and values of one block over every layer, in the model's dtype."""
+        return 2 * num_layers * block_size * kv_heads * head_dim * dtype.itemsize
 
     @property
     def device(self) -> torch.device:

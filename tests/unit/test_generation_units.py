@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.generate import TextStream, sample
+from core.generate import TextStream, noise_key, sample
 from core.model.tokenizer import ChatTokenizer, ChatTurn
 from core.types import SamplingParams
 
@@ -87,28 +87,28 @@ def test_detokenizer_matches_a_whole_decode(model_dir: Path) -> None:
 
 def test_sampling() -> None:
     logits = torch.tensor([0.0, 3.0, 1.0, 2.0])
-    gen = torch.Generator().manual_seed(0)
-    assert sample(logits, SamplingParams(max_new_tokens=1), gen) == 1
+    keys = [noise_key(0, n) for n in range(200)]
+    assert sample(logits, SamplingParams(max_new_tokens=1), keys[0]) == 1
     top1 = SamplingParams(max_new_tokens=1, temperature=1.0, top_k=1)
-    assert {sample(logits, top1, gen) for _ in range(20)} == {1}
+    assert {sample(logits, top1, k) for k in keys[:20]} == {1}
     nucleus = SamplingParams(max_new_tokens=1, temperature=1.0, top_p=0.5)
-    assert {sample(logits, nucleus, gen) for _ in range(20)} == {1}
+    assert {sample(logits, nucleus, k) for k in keys[:20]} == {1}
     wide = SamplingParams(max_new_tokens=1, temperature=5.0, seed=3)
-    a = [sample(logits, wide, torch.Generator().manual_seed(3)) for _ in range(5)]
-    b = [sample(logits, wide, torch.Generator().manual_seed(3)) for _ in range(5)]
+    a = [sample(logits, wide, noise_key(3, n)) for n in range(5)]
+    b = [sample(logits, wide, noise_key(3, n)) for n in range(5)]
     assert a == b
-    assert len({sample(logits, wide, gen) for _ in range(200)}) == 4
+    assert len({sample(logits, wide, k) for k in keys}) == 4
 
 
 def test_sampling_is_numerically_robust() -> None:
-    gen = torch.Generator().manual_seed(0)
     huge = torch.tensor([3e38, -3e38, 1e30, float("-inf")])  # suppressed EOS last
-    for t in (1e-38, 1e-6, 1e-5, 1.0, 100.0):
+    for n, t in enumerate((1e-38, 1e-6, 1e-5, 1.0, 100.0)):
         for top_p in (1.0, 0.9, 1e-9):
             params = SamplingParams(max_new_tokens=1, temperature=t, top_p=top_p, top_k=3)
-            assert sample(huge, params, gen) in {0, 1, 2}
+            assert sample(huge, params, noise_key(0, n)) in {0, 1, 2}
     tiny = SamplingParams(max_new_tokens=1, temperature=1e-38)  # below GREEDY_BELOW: greedy
-    assert {sample(torch.tensor([0.0, 1.0, 0.9]), tiny, gen) for _ in range(20)} == {1}
+    logits = torch.tensor([0.0, 1.0, 0.9])
+    assert {sample(logits, tiny, noise_key(0, n)) for n in range(20)} == {1}
 
 
 @pytest.mark.parametrize(
@@ -127,7 +127,7 @@ def test_sampling_refuses_what_admission_refuses(
 ) -> None:
     params = SamplingParams(max_new_tokens=1, temperature=temperature, top_p=top_p)
     with pytest.raises(ValueError):
-        sample(torch.tensor(logits), params, torch.Generator())
+        sample(torch.tensor(logits), params, noise_key(0, 0))
 
 
 def test_users_text_never_becomes_control_tokens(model_dir: Path) -> None:
