@@ -49,6 +49,7 @@ class GatewayConfig:
     upload_idle_timeout_s: float = 10.0  # an upload whose next message takes longer is ended
     max_upload_bytes_in_flight: int = 256 * MIB  # bytes held by unfinished uploads; OVERLOADED
     core_attempt_timeout_s: float = 2.0  # one core's Describe and cache reply; slower = down
+    core_hedge_after_s: float = 0.2  # no cache reply by then: the next core is asked as well
 
     def validate(self) -> None:
         split_host_port(self.listen)
@@ -82,11 +83,13 @@ class GatewayConfig:
             self.upload_idle_timeout_s,
             self.max_upload_bytes_in_flight,
             self.core_attempt_timeout_s,
+            self.core_hedge_after_s,
         )
         if min(admission) <= 0:
             raise ConfigError(
                 "[gateway] max_requests_in_flight, upload_idle_timeout_s, "
-                "max_upload_bytes_in_flight and core_attempt_timeout_s must be > 0"
+                "max_upload_bytes_in_flight, core_attempt_timeout_s and core_hedge_after_s "
+                "must be > 0"
             )
 
     def _validate_cores(self) -> None:

@@ -228,6 +228,11 @@ class CoreClient:
             return False
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
+    @property
+    def described(self) -> Geometry | None:
+        """The geometry from the last Describe, if any (no call)."""
+        return self._geometry
+
     async def geometry(self, timeout: float | None) -> Geometry:
         if self._geometry is None:
             try:

@@ -12,3 +12,7 @@ CORES_HEALTHY = Gauge("visor_gateway_cores_healthy", "Cores that passed their la
 CORE_FAILOVERS = Counter(
     "visor_gateway_core_failovers_total", "Requests moved to the next core after UNAVAILABLE."
 )
+CORE_HEDGES = Counter(
+    "visor_gateway_core_hedges_total",
+    "Handshakes also sent to the next core after core_hedge_after_s without a cache reply.",
+)

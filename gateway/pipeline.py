@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import numpy as np
 
-from gateway import decode, limits, metrics, routing, tiling, video
+from gateway import decode, hedging, limits, metrics, routing, tiling, video
 from gateway.core_client import (
     CoreClient,
     CoreFinal,
@@ -107,9 +107,11 @@ class Pipeline:
         router: routing.Router,
         core_attempt_timeout_s: float = 5.0,
         video_enabled: bool = True,
+        core_hedge_after_s: float = 0.2,
     ) -> None:
         self.pool, self.router = pool, router
         self.attempt_timeout_s = core_attempt_timeout_s
+        self.hedge_s = core_hedge_after_s
         self.video_enabled = video_enabled
         self.probes = ProbeCache()
 
@@ -159,17 +161,26 @@ class Pipeline:
         attempts_by = (
             None if self.router.healthy() else time.perf_counter() + self.attempt_timeout_s
         )
-        for core in self.router.candidates(key):
+        cores = self.router.candidates(key)
+        await self._plan_ahead(cores, job, timings)
+
+        def attempt(core: CoreClient, claim: Callable[[], bool]) -> AsyncIterator[Delta | Final]:
+            return self._on_core(core, job, timings, attempts_by, claim)
+
+        def failed(core: CoreClient) -> None:
+            if job.remaining() == 0.0:  # our deadline, not the core's fault
+                raise VisorError(Reason.DEADLINE_EXCEEDED, "the deadline passed")
+            self.router.mark_down(core)
+
+        while cores:
             streamed = False
             try:
-                async for event in self._on_core(core, job, timings, attempts_by):
+                answers = hedging.first_to_answer(cores, attempt, self.hedge_s, failed)
+                async for event in answers:
                     streamed = streamed or isinstance(event, Delta)
                     yield event
                 return
             except CoreUnreachable as err:
-                if not streamed and job.remaining() == 0.0:  # our deadline, not the core's fault
-                    raise VisorError(Reason.DEADLINE_EXCEEDED, "the deadline passed") from None
-                self.router.mark_down(core)
                 if streamed:  # tokens already reached the client: never answer twice
                     raise
                 metrics.CORE_FAILOVERS.inc()
@@ -177,6 +188,15 @@ class Pipeline:
             if job.deadline is not None and time.perf_counter() >= job.deadline:
                 raise VisorError(Reason.DEADLINE_EXCEEDED, "the deadline passed")
         raise failure
+
+    async def _plan_ahead(
+        self, cores: list[CoreClient], job: _Job, timings: dict[str, float]
+    ) -> None:
+        """Plans before any attempt when the first core's geometry is known, so that a hedge
+        measures the core's handshake, not the probes."""
+        geo = cores[0].described if cores else None
+        if geo is not None and geo.image_size not in job.plans:
+            job.plans[geo.image_size] = await self._plan(job, geo, timings)
 
     def _attempt_s(self, job: _Job, attempts_by: float | None) -> float:
         """How long one core may take to answer Describe or the cache handshake."""
@@ -187,11 +207,17 @@ class Pipeline:
         return limit if remaining is None else min(limit, remaining)
 
     async def _on_core(
-        self, core: CoreClient, job: _Job, timings: dict[str, float], attempts_by: float | None
+        self,
+        core: CoreClient,
+        job: _Job,
+        timings: dict[str, float],
+        attempts_by: float | None,
+        claim: Callable[[], bool],
     ) -> AsyncIterator[Delta | Final]:
         """One attempt on one core: its geometry, the plan for it, the handshake, the tokens.
         Describe and the cache reply must come within the attempt timeout (else the core counts
-        as unreachable and the next is tried); the tokens then have the request's deadline."""
+        as unreachable and the next is tried); the tokens then have the request's deadline.
+        `claim()` at the cache reply says whether this attempt is the one that goes on."""
         try:
             geo = await core.geometry(self._attempt_s(job, attempts_by))
         except VisorError as err:
@@ -206,6 +232,8 @@ class Pipeline:
         missed: list[int] = []
 
         async def pixels_for(missing: list[int]) -> list[np.ndarray]:
+            if not claim():  # another core answered first
+                raise hedging.Lost()
             missed[:] = missing
             return await self._decode(job, geo, items, missing, timings)
 

@@ -194,7 +194,7 @@ async def run(cfg: GatewayConfig, lim: LimitsConfig, config: ConfigFile, core_to
     uploads = UploadBytes(cfg.max_upload_bytes_in_flight)
     receiving = Receiving(cfg.default_deadline_s, cfg.upload_idle_timeout_s)
     server = new_server(cfg)
-    pipeline = Pipeline(pool, router, cfg.core_attempt_timeout_s, cfg.video)
+    pipeline = Pipeline(pool, router, cfg.core_attempt_timeout_s, cfg.video, cfg.core_hedge_after_s)
     add_to_server(GatewayServicer(live, pipeline, quotas, uploads, receiving), server)
     health = serving.add_health_and_reflection(server, [SERVICE])
     serving.bind(server, cfg.listen)

@@ -106,6 +106,7 @@ def test_example_config_holds_every_key_with_its_default() -> None:
         "upload_idle_timeout_s",
         "max_upload_bytes_in_flight",
         "core_attempt_timeout_s",
+        "core_hedge_after_s",
     ],
 )
 def test_admission_keys_must_be_positive(key: str) -> None:

@@ -1,0 +1,100 @@
+"""Hedged attempts: a second core is asked when the first has not answered the handshake in time.
+
+An attempt claims the request when its core's cache reply arrives, before any pixel is decoded
+or sent; the first claim wins and every other attempt is cancelled. Until then, an attempt still
+waiting after `hedge_s` gets company from the next core. The handshake costs a core a cache
+lookup, so a hedge is cheap; what it saves is a request waiting out `core_attempt_timeout_s` on
+a core that hangs in the second or so before the health loop marks it down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+from gateway import metrics
+from gateway.core_client import CoreUnreachable
+
+C = TypeVar("C")
+T = TypeVar("T")
+Attempt = Callable[[C, Callable[[], bool]], AsyncIterator[T]]
+
+
+class Lost(Exception):
+    """Raised in an attempt whose handshake came after another attempt's."""
+
+
+_END = object()
+
+
+async def first_to_answer(
+    cores: list[C],
+    attempt: Attempt[C, T],
+    hedge_s: float,
+    failed: Callable[[C], None],
+) -> AsyncIterator[T]:
+    """Yields the events of the attempt that claims first; takes cores from the front of `cores`
+    as it starts attempts. A core whose attempt fails unreachable before any claim is passed to
+    `failed` and the next is tried; when the winner fails, `failed` is called and the error
+    raised (the caller decides whether another core may still answer). Any other refusal is the
+    core's answer and is raised as it is."""
+    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+    started: list[C] = []
+    tasks: list[asyncio.Task[None]] = []
+    winner: list[int] = []
+
+    def claim(n: int) -> bool:
+        if not winner:
+            winner.append(n)
+            for m, task in enumerate(tasks):
+                if m != n:
+                    task.cancel()
+        return winner[0] == n
+
+    async def run(n: int, core: C) -> None:
+        try:
+            async for item in attempt(core, lambda: claim(n)):
+                await queue.put((n, item))
+            await queue.put((n, _END))
+        except Exception as exc:  # reported to the loop below; cancellation is not
+            await queue.put((n, exc))
+
+    def start() -> None:
+        started.append(cores.pop(0))
+        tasks.append(asyncio.create_task(run(len(tasks), started[-1])))
+
+    start()
+    running = 1
+    try:
+        while True:
+            wait = hedge_s if not winner and cores else None
+            try:
+                n, item = await asyncio.wait_for(queue.get(), wait)
+            except TimeoutError:
+                metrics.CORE_HEDGES.inc()
+                start()
+                running += 1
+                continue
+            if item is _END:
+                return
+            if not isinstance(item, Exception):
+                yield item  # type: ignore[misc]
+                continue
+            running -= 1
+            if isinstance(item, Lost) or (winner and winner[0] != n):
+                continue
+            if not isinstance(item, CoreUnreachable):
+                raise item
+            failed(started[n])
+            if winner:
+                raise item
+            if running == 0:
+                if not cores:
+                    raise item
+                start()
+                running += 1
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,105 @@
+"""Two cores behind one gateway whose health loop is slow to notice anything: when the core a
+request would go to hangs (SIGSTOP), the gateway asks the next core after core_hedge_after_s and
+the request is answered in well under the attempt timeout, by the other core."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from PIL import Image
+
+from shared import procs
+from tests.conftest import TENANTS_TOML, free_port
+from tests.helpers import generate, metric, request
+
+IDS = ("core-a", "core-b")
+
+
+@dataclass
+class Pair:
+    gateway: str
+    metrics: str  # the gateway's Prometheus endpoint
+    procs: dict[str, procs.subprocess.Popen[bytes]]  # core id -> process
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    logs = tmp_path_factory.mktemp("hedging")
+    cores = {i: f"127.0.0.1:{free_port()}" for i in IDS}
+    started: dict[str, procs.subprocess.Popen[bytes]] = {}
+    gw = None
+    try:
+        for i, address in cores.items():
+            env = {
+                "VISOR_CORE_LISTEN": address,
+                "VISOR_CORE_CORE_ID": i,
+                "VISOR_CORE_MODEL": str(model_dir),
+                "VISOR_CORE_METRICS_LISTEN": "",
+                "VISOR_CORE_ENCODER": "torch",
+                "VISOR_CACHE_PATH": str(logs / f"cache-{i}"),
+            }
+            started[i] = procs.start("core", env, log_path=logs / f"{i}.log")
+        for i, address in cores.items():
+            procs.wait_healthy(address, started[i], timeout_s=120)
+        pair = Pair(f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", started)
+        gw_env = {
+            "VISOR_GATEWAY_LISTEN": pair.gateway,
+            "VISOR_GATEWAY_CORES": ",".join(cores.values()),
+            "VISOR_GATEWAY_HEALTH_INTERVAL_S": "60",  # the health loop does not see the hang
+            "VISOR_GATEWAY_CORE_ATTEMPT_TIMEOUT_S": "5.0",
+            "VISOR_GATEWAY_CORE_HEDGE_AFTER_S": "0.2",
+            "VISOR_GATEWAY_METRICS_LISTEN": pair.metrics,
+            "VISOR_GATEWAY_DECODE_WORKERS": "1",
+        }
+        config = logs / "tenants.toml"
+        config.write_text(TENANTS_TOML)
+        gw = procs.start("gateway", gw_env, config, log_path=logs / "gateway.log")
+        procs.wait_healthy(pair.gateway, gw, timeout_s=60)
+        yield pair
+    finally:
+        for p in [*started.values(), *([gw] if gw else [])]:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+            procs.stop(p)
+
+
+def _png(seed: int) -> bytes:
+    img = Image.new("RGB", (32, 32), ((seed * 53) % 256, (seed * 29) % 256, (seed * 71) % 256))
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_a_hung_core_costs_a_hedge_not_the_attempt_timeout(pair: Pair) -> None:
+    owner = {}
+    for seed in range(8):
+        out = generate(pair.gateway, request(media=(_png(seed),), max_new_tokens=1), timeout=30)
+        assert out.code == grpc.StatusCode.OK and out.final is not None, out
+        owner[seed] = out.final.served_by
+    on_a = [seed for seed, core in owner.items() if core == "core-a"]
+    assert on_a and len(on_a) < len(owner), owner  # rendezvous spreads 8 images over both
+    hedges = metric(pair.metrics, "visor_gateway_core_hedges_total")
+    os.kill(pair.procs["core-a"].pid, signal.SIGSTOP)
+    try:
+        for seed in on_a:
+            t0 = time.monotonic()
+            req = request(media=(_png(seed),), max_new_tokens=1)
+            out = generate(pair.gateway, req, timeout=30)
+            took = time.monotonic() - t0
+            assert out.code == grpc.StatusCode.OK and out.final is not None, out
+            assert out.final.served_by == "core-b"
+            assert took < 2.5, took  # the attempt timeout alone is 5 s
+    finally:
+        os.kill(pair.procs["core-a"].pid, signal.SIGCONT)
+    assert metric(pair.metrics, "visor_gateway_core_hedges_total") >= hedges + len(on_a)
+    # Back to its owner once it answers again: the hedge does not move the key for good.
+    out = generate(pair.gateway, request(media=(_png(on_a[0]),), max_new_tokens=1), timeout=30)
+    assert out.final is not None and out.final.served_by == "core-a"
