@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -25,6 +24,8 @@ from typing import Any
 
 import numpy as np
 from safetensors.torch import load_file, save_file
+
+from shared.net import free_port
 
 VERSION = "0.3.36"  # llama-cpp-python sdist whose vendored llama.cpp is built and converted with
 CACHE = Path(".visor/llama.cpp")
@@ -147,16 +148,10 @@ def _mtime(model_dir: Path) -> float:
     return max(p.stat().st_mtime for p in model_dir.glob("*.safetensors"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def serve(binary: Path, model: Path, threads: int, slots: int, ctx: int) -> Iterator[str]:
     """A llama-server on loopback with `slots` parallel sequences; yields its base URL."""
-    port = _free_port()
+    port = free_port()
     cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(ctx * slots)]
     cmd += ["--no-warmup", "--log-disable"]

@@ -33,6 +33,7 @@ from grpc_status import rpc_status
 from bench import soak_media
 from shared import procs
 from shared.hashing import key_sha256
+from shared.net import free_port
 from shared.proto import gateway_pb2, gateway_pb2_grpc
 from shared.status import from_rpc_error
 
@@ -304,17 +305,9 @@ def _start_core(
     return procs.start("core", env, config, log_path=logs / f"core-{port}.log")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start(settings: SoakSettings, logs: Path) -> Soak:
-    cores = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
-    gateway = f"127.0.0.1:{_free_port()}"
+    cores = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    gateway = f"127.0.0.1:{free_port()}"
     config = logs / "soak.toml"
     config.write_text(
         f'[[tenants]]\nid = "quiet"\nkey_sha256 = "{key_sha256(QUIET_KEY)}"\n\n'

@@ -159,9 +159,9 @@ class ModelRunner:
                 num = end - max(c.start, prompt)
                 embeds.append(tokens.narrow(0, used, num))
                 used += num
-        kv, invariant = self.kv, self.batch_invariant
-        meta = paged.step_metadata(seq_chunks, kv.block_size, invariant, kv.device)
-        return paged.forward_step(self.model, torch.cat(embeds), meta, kv, invariant)
+        return paged.forward(
+            self.model, torch.cat(embeds), seq_chunks, self.kv, self.batch_invariant
+        )
 
     def _advance(
         self, ready: list[int], sampled: list[SampledRow], errors: dict[int, Reason]

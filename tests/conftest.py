@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import os
-import socket
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,16 +13,11 @@ import pytest
 
 from shared import procs
 from shared.hashing import key_sha256
+from shared.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = Path(os.environ.get("VISOR_TEST_CORPUS", ROOT.parent / "shared" / "corpus"))
 SAMPLES = ROOT / "models" / "samples"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def corpus_rows() -> list[dict[str, str]]:

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from core import generate
 from core.engine import Engine
-from core.model import llava, paged
+from core.model import llava
 from core.model.config import parse
 from core.model.llava import Llava, canonical_name
 from core.model.tokenizer import ChatTurn
@@ -179,11 +179,6 @@ def _prompt(n: int) -> tuple[int, ...]:
 def test_one_mixed_step_on_cuda_keeps_every_tensor_on_the_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if not hasattr(paged, "step_metadata"):
-        pytest.skip(
-            "needs the packed forward pass (paged.step_metadata, helper L): this paged.forward "
-            "builds positions, slots and masks on the host"
-        )
     cfg = parse(LLAVA_15_7B_TEXT, {})
     with torch.device("meta"):
         model = Llava(cfg)  # no memory: the 7B model is never materialised
