@@ -1,6 +1,6 @@
 """The gateway's core client against a real gRPC server on loopback that ends the Infer call
 while the gateway is still sending tensors: the caller gets a refusal read from the call's status,
-never an exception of the write itself (which the gateway used to report as its own bug)."""
+never an exception of the write itself (which would surface as the gateway's own INTERNAL)."""
 
 from __future__ import annotations
 
