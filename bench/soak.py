@@ -21,6 +21,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -493,7 +494,14 @@ def report(
     }
 
 
+MIN_NOISY_S = 60.0  # the fault schedule keeps one core serving at every moment from here up
+
+
 def main(settings: SoakSettings, logs: Path, out: Path | None) -> int:
+    if settings.seconds_noisy < MIN_NOISY_S:
+        # Shorter, the stopped core resumes just as the other is killed: both are down at once.
+        print(f"visor bench soak: --seconds-noisy must be >= {MIN_NOISY_S:g}", file=sys.stderr)
+        return 2
     logs.mkdir(parents=True, exist_ok=True)
     soak = start(settings, logs)
     try:
