@@ -1,0 +1,475 @@
+"""Qwen2.5-VL as a family of the core: a tiny random-weight checkpoint saved by transformers'
+own classes, in both layouts a checkpoint comes in, loaded by `core.model.qwen2_5_vl.load` and
+run through the layers' `forward_paged` with a dense attention written here; logits and greedy
+tokens against transformers' `Qwen2_5_VLForConditionalGeneration` on the same inputs."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from core.model import qwen2_5_vl
+from core.model.config import ModelConfigError
+from core.model.qwen2_5_vl_vision import patchify
+from core.model.tokenizer import ChatTokenizer, ChatTurn
+
+transformers = pytest.importorskip("transformers")
+ATOL = 1e-4  # float32 on both sides
+SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+# Qwen2.5-VL's prompt layout: a default system turn, each image or video between vision marks.
+TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{% set image_count.value = image_count.value + 1 %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' %}{% set video_count.value = video_count.value + 1 %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _words() -> list[str]:
+    syllables = ["ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "de", "fa", "gu", "ze"]
+    return ["".join(p) for p in itertools.product(syllables, repeat=2)] + [
+        "What", "colour", "is", "the", "circle", "square", "How", "many", "are", "there", "?",
+    ]  # fmt: skip
+
+
+def _tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=SPECIALS,
+    )
+    words = _words()
+    tok.train_from_iterator([" ".join(words[i : i + 7]) for i in range(len(words))], trainer)
+    return tok
+
+
+def _hf_config(tok: Tokenizer) -> object:
+    return transformers.Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": 320,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 3, 3],
+            },
+            "eos_token_id": tok.token_to_id("<|im_end|>"),
+            "bos_token_id": tok.token_to_id("<|endoftext|>"),
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "fullatt_block_indexes": [1],
+            "window_size": 56,  # 2 x 2 merged tokens: the test images have several windows
+            "tokens_per_second": 2,
+        },
+        image_token_id=tok.token_to_id("<|image_pad|>"),
+        video_token_id=tok.token_to_id("<|video_pad|>"),
+        vision_start_token_id=tok.token_to_id("<|vision_start|>"),
+        vision_end_token_id=tok.token_to_id("<|vision_end|>"),
+        tie_word_embeddings=True,
+    )
+
+
+def _write_tokenizer(tok: Tokenizer, path: Path, template_in_config: bool) -> None:
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(path)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    if template_in_config:  # the Hub's layout: the template inside tokenizer_config.json
+        (path / "chat_template.jinja").unlink(missing_ok=True)
+        cfg = json.loads((path / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = TEMPLATE
+        (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+def _hub_config(nested: dict[str, object]) -> dict[str, object]:
+    """transformers 5's nested config.json rewritten as the Hub's flat one."""
+    text = dict(nested.pop("text_config"))  # type: ignore[call-overload]
+    rope = text.pop("rope_parameters")
+    flat = {**nested, **{k: v for k, v in text.items() if k != "model_type"}}
+    flat["rope_theta"] = rope["rope_theta"]
+    flat["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
+    flat["model_type"] = "qwen2_5_vl"
+    flat["tie_word_embeddings"] = False  # the Hub's checkpoints store lm_head
+    vision = dict(flat["vision_config"])  # type: ignore[call-overload]
+    vision.pop("rope_parameters")
+    vision["model_type"] = "qwen2_5_vl"
+    flat["vision_config"] = vision
+    return flat
+
+
+@dataclass
+class Checkpoints:
+    hf: object  # Qwen2_5_VLForConditionalGeneration, float32, eval
+    hub: Path  # the Hub's layout
+    t5: Path  # transformers 5's layout
+    image_processor: object
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Checkpoints]:
+    root = tmp_path_factory.mktemp("qwen")
+    tok = _tokenizer()
+    torch.manual_seed(0)
+    hf = transformers.Qwen2_5_VLForConditionalGeneration(_hf_config(tok)).eval()
+    with torch.no_grad():  # wider than the 0.02 init, so that greedy tokens vary
+        for name, p in hf.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15 if "embed" not in name else 0.3)
+    hub, t5 = root / "hub", root / "t5"
+    hf.save_pretrained(hub)
+    shutil.copytree(hub, t5)
+    processor = transformers.Qwen2VLImageProcessorPil()
+    # Hub: flat config, preprocessor_config.json, visual.* / model.* / lm_head.* tensors.
+    nested = json.loads((hub / "config.json").read_text())
+    (hub / "config.json").write_text(json.dumps(_hub_config(nested)))
+    (hub / "generation_config.json").unlink()
+    processor.save_pretrained(hub)
+    state = load_file(hub / "model.safetensors")
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, hub / "model.safetensors", metadata={"format": "pt"})
+    _write_tokenizer(tok, hub, template_in_config=True)
+    # transformers 5: nested processor_config.json, chat_template.jinja, model.visual.* /
+    # model.language_model.* tensors, tied head stored nowhere, end tokens in generation_config.
+    renamed = {
+        ("model.language_model." + k[6:] if k.startswith("model.") else "model." + k): v
+        for k, v in load_file(t5 / "model.safetensors").items()
+    }
+    save_file(renamed, t5 / "model.safetensors", metadata={"format": "pt"})
+    image_processor = processor.to_dict()
+    (t5 / "processor_config.json").write_text(json.dumps({"image_processor": image_processor}))
+    _write_tokenizer(tok, t5, template_in_config=False)
+    yield Checkpoints(hf, hub, t5, processor)
+
+
+def _pixels(seed: int, frames: int, height: int, width: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (frames, 3, height, width), generator=gen, dtype=torch.uint8)
+
+
+class DenseAttention:
+    """Full causal attention over everything run so far, k/v concatenated per layer."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def layer(self, i: int) -> Callable[..., torch.Tensor]:
+        def attend(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+        ) -> torch.Tensor:
+            old_k, old_v = self.keys[i], self.values[i]
+            if old_k is not None and old_v is not None:
+                k, v = torch.cat([old_k, k], dim=1), torch.cat([old_v, v], dim=1)
+            self.keys[i], self.values[i] = k, v
+            n, total = q.shape[1], k.shape[1]
+            mask = torch.ones(n, total, dtype=torch.bool).tril(total - n)
+            out = F.scaled_dot_product_attention(
+                q[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+            )
+            return out[0].transpose(0, 1).reshape(n, -1)
+
+        return attend
+
+
+def _linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, module.weight, module.bias)
+
+
+def _run(
+    model: qwen2_5_vl.QwenVL, embeds: torch.Tensor, positions: torch.Tensor, kv: DenseAttention
+) -> torch.Tensor:
+    rope = model.rope(positions)
+    x = embeds
+    for i, layer in enumerate(model.language_model.layers):
+        x = layer.forward_paged(x, rope, kv.layer(i), _linear)
+    return model.lm_head(model.language_model.norm(x))
+
+
+@dataclass
+class Case:
+    ids: list[int]
+    pixels: list[torch.Tensor]  # uint8, per visual item
+    hf_inputs: dict[str, torch.Tensor]
+
+
+def _image_case(ck: Checkpoints, sizes: list[tuple[int, int]]) -> Case:
+    chat = ChatTokenizer(ck.t5, qwen2_5_vl.load_config(ck.t5).image_token_id)
+    pixels = [_pixels(i, 1, h, w) for i, (h, w) in enumerate(sizes)]
+    prompt = chat.encode_prompt([ChatTurn("user", "What colour is the circle?", len(sizes))])
+    ids = chat.expand(prompt, [(h // 28) * (w // 28) for h, w in sizes])
+    hf_in = ck.image_processor(  # type: ignore[operator]
+        [p[0].permute(1, 2, 0).numpy() for p in pixels], do_resize=False, return_tensors="pt"
+    )
+    return Case(
+        ids,
+        pixels,
+        {"pixel_values": hf_in["pixel_values"], "image_grid_thw": hf_in["image_grid_thw"]},
+    )
+
+
+def _video_patches(frames: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """transformers' Qwen2-VL video processor's flatten order, transcribed (it needs torchvision,
+    which is absent here): (batch, t, temporal, c, h/m, m, p, w/m, m, p) permuted."""
+    x = (frames.float() / 255 - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1)
+    t, c, h, w = x.shape
+    x = x.view(1, t // 2, 2, c, h // 28, 2, 14, w // 28, 2, 14)
+    x = x.permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
+    return x.reshape(t // 2 * (h // 14) * (w // 14), c * 2 * 14 * 14)
+
+
+def _video_case(ck: Checkpoints) -> Case:
+    cfg = qwen2_5_vl.load_config(ck.t5)
+    frames = _pixels(7, 4, 56, 84)
+    fast = transformers.PreTrainedTokenizerFast.from_pretrained(ck.t5)
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "video"}, {"type": "text", "text": "How many are there?"}],
+        }
+    ]
+    prompt = fast.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    ids: list[int] = []
+    for token in prompt:
+        ids += [token] * (2 * 2 * 3 if token == cfg.video_token_id else 1)
+    pre = cfg.preprocess
+    patches = _video_patches(frames, torch.tensor(pre.image_mean), torch.tensor(pre.image_std))
+    grid = torch.tensor([[2, 4, 6]])
+    return Case(ids, [frames], {"pixel_values_videos": patches, "video_grid_thw": grid})
+
+
+def _reference(ck: Checkpoints, case: Case, new_tokens: int) -> tuple[torch.Tensor, list[int]]:
+    cfg = qwen2_5_vl.load_config(ck.t5)
+    ids = torch.tensor([case.ids])
+    types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
+    kwargs = {**case.hf_inputs, "mm_token_type_ids": types, "attention_mask": torch.ones_like(ids)}
+    hf = ck.hf
+    with torch.no_grad():
+        logits = hf(input_ids=ids, **kwargs).logits[0]  # type: ignore[operator]
+        out = hf.generate(  # type: ignore[attr-defined]
+            input_ids=ids, **kwargs, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None
+        )
+    return logits, out[0, len(case.ids) :].tolist()
+
+
+def _ours(model: qwen2_5_vl.QwenVL, case: Case, new_tokens: int) -> tuple[torch.Tensor, list[int]]:
+    with torch.no_grad():
+        encoded = [model.encode_visual(p) for p in case.pixels]
+        feats = torch.cat([f for f, _ in encoded]) if encoded else None
+        positions, delta = model.prompt_positions(case.ids, [g for _, g in encoded])
+        if positions is None:
+            positions = torch.arange(len(case.ids))
+        kv = DenseAttention(model.cfg.text.num_layers)
+        logits = _run(model, model.embed(case.ids, feats), positions, kv)
+        tokens = [int(logits[-1].argmax())]
+        for _ in range(new_tokens - 1):
+            step = torch.tensor([len(case.ids) + len(tokens) - 1 + delta])
+            last = _run(model, model.embed(tokens[-1:], None), step, kv)
+            tokens.append(int(last[-1].argmax()))
+    return logits, tokens
+
+
+@pytest.mark.parametrize("layout", ["hub", "t5"])
+@pytest.mark.parametrize("kind", ["one_image", "two_images", "video"])
+def test_logits_and_greedy_match_transformers(ckpt: Checkpoints, layout: str, kind: str) -> None:
+    case = {
+        "one_image": lambda: _image_case(ckpt, [(140, 196)]),
+        "two_images": lambda: _image_case(ckpt, [(140, 196), (84, 56)]),
+        "video": lambda: _video_case(ckpt),
+    }[kind]()
+    model = qwen2_5_vl.load(getattr(ckpt, layout))
+    expected_logits, expected_tokens = _reference(ckpt, case, 8)
+    logits, tokens = _ours(model, case, 8)
+    max_abs = float((logits - expected_logits).abs().max())
+    print(f"qwen2.5-vl {layout} {kind}: max abs logit difference {max_abs:.2e}")
+    assert logits.shape == expected_logits.shape
+    assert max_abs <= ATOL
+    assert expected_logits.std() > 0.1  # the logits carry signal
+    assert tokens == expected_tokens
+    assert len(set(tokens)) > 1  # greedy output that varies, so the comparison means something
+
+
+def test_patchify_matches_the_image_processor(ckpt: Checkpoints) -> None:
+    model = qwen2_5_vl.load(ckpt.t5)
+    pixels = _pixels(3, 1, 112, 168)
+    ref = ckpt.image_processor(
+        pixels[0].permute(1, 2, 0).numpy(), do_resize=False, return_tensors="pt"
+    )  # type: ignore[operator]
+    ours, grid = patchify(model.normalize(pixels), model.cfg.vision)
+    assert grid == (1, 4, 6) and ref["image_grid_thw"].tolist() == [[1, 8, 12]]
+    assert ours.shape == ref["pixel_values"].shape
+    assert float((ours - ref["pixel_values"]).abs().max()) < 1e-5
+
+
+def test_odd_video_repeats_its_last_frame(ckpt: Checkpoints) -> None:
+    model = qwen2_5_vl.load(ckpt.t5)
+    frames = _pixels(5, 3, 56, 56)
+    padded = torch.cat([frames, frames[-1:]])
+    odd, odd_grid = model.encode_visual(frames)
+    even, even_grid = model.encode_visual(padded)
+    assert odd_grid == even_grid == (2, 2, 2)
+    assert torch.equal(odd, even)
+
+
+def test_positions_after_a_long_video_follow_its_largest_position() -> None:
+    # 3 temporal patches 4 s apart at 2 tokens/s: t positions 0, 8, 16; h, w 0..1. Text after
+    # the video starts at 16 + 1 (the trained rule), not at start + max(h, w) = 2.
+    ids = [9, 7, *[7] * 11, 5]
+    positions, delta = qwen2_5_vl.mrope_positions(ids, [(3, 2, 2)], (6, 7), [4.0], 2.0)
+    assert positions[:, 0].tolist() == [0, 0, 0]
+    assert positions[0, 1:13].tolist() == [1] * 4 + [9] * 4 + [17] * 4
+    assert positions[1, 1:5].tolist() == [1, 1, 2, 2] and positions[2, 1:5].tolist() == [1, 2, 1, 2]
+    assert positions[:, 13].tolist() == [18, 18, 18]
+    assert delta == 18 - 13
+
+
+def test_chat_tokenizer_renders_the_template_like_transformers(ckpt: Checkpoints) -> None:
+    for layout in (ckpt.hub, ckpt.t5):
+        chat = ChatTokenizer(layout, qwen2_5_vl.load_config(layout).image_token_id)
+        fast = transformers.PreTrainedTokenizerFast.from_pretrained(layout)
+        fast.chat_template = TEMPLATE
+        content = [
+            {"type": "image"},
+            {"type": "image"},
+            {"type": "text", "text": "What is the circle?"},
+        ]
+        expected = fast.apply_chat_template(
+            [{"role": "user", "content": content}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        assert chat.encode_prompt([ChatTurn("user", "What is the circle?", 2)]) == expected
+    assert qwen2_5_vl.load_config(ckpt.t5).text.eos_token_id == (
+        fast.convert_tokens_to_ids("<|im_end|>"),
+    )
+
+
+def test_both_layouts_load_the_same_model(ckpt: Checkpoints) -> None:
+    hub, t5 = qwen2_5_vl.load(ckpt.hub), qwen2_5_vl.load(ckpt.t5)
+    assert hub.cfg.mrope_section == t5.cfg.mrope_section == (2, 3, 3)
+    assert hub.cfg.preprocess == t5.cfg.preprocess
+    assert hub.encoder_digest() == t5.encoder_digest()
+    for (name, a), (_, b) in zip(hub.state_dict().items(), t5.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def _broken(ckpt: Checkpoints, tmp_path: Path, change: Callable[[Path], None]) -> str:
+    target = tmp_path / "broken"
+    shutil.copytree(ckpt.t5, target)
+    change(target)
+    with pytest.raises(ModelConfigError) as info:
+        qwen2_5_vl.load(target)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def _edit_config(key: str, value: object) -> Callable[[Path], None]:
+    def change(path: Path) -> None:
+        cfg = json.loads((path / "config.json").read_text())
+        if value is None:
+            cfg.pop(key)
+        else:
+            cfg[key] = value
+        (path / "config.json").write_text(json.dumps(cfg))
+
+    return change
+
+
+def _edit_text(key: str, value: object) -> Callable[[Path], None]:
+    def change(path: Path) -> None:
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["text_config"][key] = value
+        (path / "config.json").write_text(json.dumps(cfg))
+
+    return change
+
+
+def _drop_tensor(path: Path) -> None:
+    state = load_file(path / "model.safetensors")
+    state.pop("model.visual.merger.ln_q.weight")
+    save_file(state, path / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (_edit_config("vision_config", None), "vision_config is missing"),
+        (_edit_config("model_type", "qwen9_vl"), "'qwen9_vl'"),
+        (
+            _edit_text("rope_parameters", {"rope_theta": 1e4, "mrope_section": [2, 3, 4]}),
+            "mrope_section [2, 3, 4]",
+        ),
+        (
+            _edit_text("rope_parameters", {"rope_type": "yarn", "mrope_section": [2, 3, 3]}),
+            "'yarn'",
+        ),
+        (_edit_text("intermediate_size", 96), "has shape (64, 128), config says (64, 96)"),
+        (lambda p: (p / "model.safetensors").unlink(), "no *.safetensors"),
+        (
+            lambda p: (p / "model.safetensors").write_bytes(b"not a checkpoint"),
+            "model.safetensors is not",
+        ),
+        (_drop_tensor, "'visual.merger.ln_q.weight' missing"),
+        (lambda p: (p / "config.json").write_text("{"), "config.json is not readable JSON"),
+    ],
+)
+def test_malformed_checkpoint_is_one_line(
+    ckpt: Checkpoints, tmp_path: Path, change: Callable[[Path], None], words: str
+) -> None:
+    assert words in _broken(ckpt, tmp_path, change)
+
+
+def test_greedy_is_not_trivially_equal(ckpt: Checkpoints) -> None:
+    """Differently seeded images give different logits: the vision path reaches the output."""
+    model = qwen2_5_vl.load(ckpt.t5)
+    case = _image_case(ckpt, [(140, 196)])
+    other = Case(case.ids, [_pixels(99, 1, 140, 196)], case.hf_inputs)
+    a, _ = _ours(model, case, 1)
+    b, _ = _ours(model, other, 1)
+    assert float((a - b).abs().max()) > 1e-2
+    assert np.isfinite(a.numpy()).all()
