@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,9 @@ from core.model.text import Attention, DecoderLayer, RMSNorm, _rotate
 MODEL_TYPES = ("qwen2_5_vl",)
 CPU = torch.device("cpu")
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (tokens, head_dim)
+# The engine's attention (q, k, v[, scale]) -> (tokens, heads * dim), and its linear.
+Attend = Callable[..., torch.Tensor]
+Linear = Callable[[nn.Linear, torch.Tensor], torch.Tensor]
 # Checkpoint prefixes (transformers 5 first: `model.` alone is the Hub's decoder) -> ours.
 _PREFIXES = (
     ("model.visual.", "visual."),
@@ -199,7 +203,9 @@ class QwenDecoderLayer(DecoderLayer):
         super().__init__(cfg)
         self.sliding_window = sliding_window
 
-    def forward_paged(self, x: torch.Tensor, rope: Rope, attend: Any, linear: Any) -> torch.Tensor:
+    def forward_paged(
+        self, x: torch.Tensor, rope: Rope, attend: Attend, linear: Linear
+    ) -> torch.Tensor:
         attn: Attention = self.self_attn
         q, k, v = attn.split(linear(attn.qkv_proj, self.input_layernorm(x)))
         cos, sin = rope
@@ -231,7 +237,7 @@ def mrope_positions(
     trained with; transformers 5.25 starts it at start + max(h, w), the same for images and
     for videos whose time axis stays below that). Returns ((3, n) positions, delta): a later
     token at sequence index i sits at i + delta on all three axes."""
-    image_id, video_id = visual_ids
+    video_id = visual_ids[1]
     out = torch.empty(3, len(ids), dtype=torch.long)
     cursor, start, num_videos = 0, 0, 0
     for t, h, w in grids:
@@ -251,10 +257,10 @@ def mrope_positions(
         out[:, at : at + t * h * w] = grid.reshape(3, -1) + start
         start = int(out[:, at : at + t * h * w].max()) + 1
         cursor = at + t * h * w
-    if any(i in visual_ids for i in ids[cursor:]) or image_id == video_id:
+    if any(i in visual_ids for i in ids[cursor:]):
         raise ValueError("the prompt has more visual tokens than its grids cover")
     out[:, cursor:] = torch.arange(start, start + len(ids) - cursor)
-    return out, start + len(ids) - cursor - len(ids)
+    return out, start - cursor
 
 
 class QwenVL(nn.Module):
