@@ -464,7 +464,7 @@ def test_malformed_checkpoint_is_one_line(
     assert words in _broken(ckpt, tmp_path, change)
 
 
-def test_greedy_is_not_trivially_equal(ckpt: Checkpoints) -> None:
+def test_the_image_reaches_the_logits(ckpt: Checkpoints) -> None:
     """Differently seeded images give different logits: the vision path reaches the output."""
     model = qwen2_5_vl.load(ckpt.t5)
     case = _image_case(ckpt, [(140, 196)])
