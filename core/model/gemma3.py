@@ -24,7 +24,7 @@ from core.model.text import _rotate
 from core.model.vision import VisionTower
 from core.model.weights import encoder_digest, fuse, read_state
 
-__all__ = ["MODEL_TYPES", "Gemma3", "ImageSlot", "load"]
+__all__ = ["MODEL_TYPES", "Gemma3", "GemmaImageLayout", "load"]
 
 CPU = torch.device("cpu")
 Linear = Callable[[nn.Linear, torch.Tensor], torch.Tensor]
@@ -50,8 +50,8 @@ class ScaledEmbedding(nn.Embedding):
     checkpoint was trained (bfloat16 makes sqrt(3072) 55.5)."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        scale = torch.tensor(self.embedding_dim**0.5, dtype=self.weight.dtype)
-        return super().forward(ids) * scale.to(self.weight.device)
+        scale = float(torch.tensor(self.embedding_dim**0.5, dtype=self.weight.dtype))
+        return super().forward(ids) * scale
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +199,7 @@ def encode_with_importance(
 
 
 @dataclass(frozen=True, slots=True)
-class ImageSlot:
+class GemmaImageLayout:
     """How Gemma 3's prompt shows an image (its processor's text): the chat template emits
     `<start_of_image>` (`marker`); each view becomes "\\n\\n<start_of_image>" + the visual
     tokens + "<end_of_image>\\n\\n", written here with the image token once (the engine repeats
@@ -281,9 +281,9 @@ class Gemma3(nn.Module):
         return encoder_digest(self)
 
     @property
-    def image_slot(self) -> ImageSlot:
-        """What the tokenizer needs to lay out an image (`ChatTokenizer(..., slot=)`)."""
-        return ImageSlot("<start_of_image>", "<image_soft_token>", "<end_of_image>")
+    def image_layout(self) -> GemmaImageLayout:
+        """What the tokenizer needs to lay out an image (`ChatTokenizer(..., layout=)`)."""
+        return GemmaImageLayout("<start_of_image>", "<image_soft_token>", "<end_of_image>")
 
 
 def load(model_dir: Path, device: torch.device = CPU, dtype: torch.dtype = torch.float32) -> Gemma3:

@@ -162,6 +162,7 @@ def _text(raw: dict[str, Any], tc: dict[str, Any], generation: dict[str, Any]) -
     for source in (generation, raw, tc):
         value = source.get("eos_token_id")
         eos.update(value if isinstance(value, list) else [] if value is None else [value])
+    tied = tc.get("tie_word_embeddings", raw.get("tie_word_embeddings", True))
     return GemmaTextConfig(
         vocab_size=_int(tc, "vocab_size", 262_208, "text_config"),
         hidden_size=_int(tc, "hidden_size", 2304, "text_config"),
@@ -173,8 +174,7 @@ def _text(raw: dict[str, Any], tc: dict[str, Any], generation: dict[str, Any]) -
         rms_norm_eps=float(tc.get("rms_norm_eps", 1e-6)),
         hidden_act=act,
         max_position_embeddings=_int(tc, "max_position_embeddings", 131_072, "text_config"),
-        tie_word_embeddings=tc.get("tie_word_embeddings", raw.get("tie_word_embeddings"))
-        is not False,
+        tie_word_embeddings=bool(tied),
         eos_token_id=tuple(sorted(int(i) for i in eos)),
         query_pre_attn_scalar=float(tc.get("query_pre_attn_scalar", 256)),
         sliding_window=_int(tc, "sliding_window", 4096, "text_config"),

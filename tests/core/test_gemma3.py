@@ -15,6 +15,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from core.model import gemma3
+from core.model import gemma3, gemma3_config
+from core.model.config import ModelConfigError
 from core.model.tokenizer import ChatTokenizer, ChatTurn
 
 transformers = pytest.importorskip("transformers")
@@ -198,7 +200,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     processor = transformers.AutoProcessor.from_pretrained(root / "saved")
     c = Checkpoint(root / "saved", root / "hub", ref, processor)
     c.ours = gemma3.load(c.saved)
-    c.tokenizer = ChatTokenizer(c.saved, c.ours.cfg.image_token_id, c.ours.image_slot)
+    c.tokenizer = ChatTokenizer(c.saved, c.ours.cfg.image_token_id, c.ours.image_layout)
     return c
 
 
@@ -354,10 +356,12 @@ def test_pan_and_scan_prompt_and_logits_match_transformers(ckpt: Checkpoint) -> 
     # The crops come resized by the processor: feed both models its pixels (no uint8 here).
     with torch.no_grad():
         ref = ckpt.ref(**inputs).logits[0]  # type: ignore[operator]
-        feats = ckpt.ours.encode_images(inputs["pixel_values"]).flatten(0, 1)
+        feats, scores = ckpt.ours.encode_with_importance(inputs["pixel_values"])
+        feats = feats.flatten(0, 1)
         got = DenseKV(ckpt.ours).run(ids, feats)
     diff = float((got - ref).abs().max())
     print(f"gemma3 pan-and-scan (4 views): max abs logit difference {diff:.2e}")
+    assert scores.shape == (views, TOKENS)  # importance per visual token, for pruning
     assert diff <= ATOL
 
 
@@ -374,3 +378,131 @@ def test_each_mask_rule_matters(ckpt: Checkpoint, rule: str) -> None:
         wrong = DenseKV(ckpt.ours, **{rule: False}).run(ids, feats)  # type: ignore[arg-type]
     assert ckpt.ours.bidirectional_images
     assert float((right - wrong).abs().max()) > 1e-2
+
+
+def _same_model(a: gemma3.Gemma3, b: gemma3.Gemma3) -> None:
+    assert a.cfg == b.cfg
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[n], sb[n]) for n in sa)
+
+
+def test_hub_layout_loads_the_same_model(ckpt: Checkpoint) -> None:
+    hub = gemma3.load(ckpt.hub)
+    _same_model(hub, ckpt.ours)
+    assert hub.cfg.text.local_layers == (True, True, True, False)  # from sliding_window_pattern
+    assert hub.cfg.text.global_rope == gemma3_config.Rope(1e6, 8.0)  # from rope_scaling
+    tok = ChatTokenizer(ckpt.hub, hub.cfg.image_token_id, hub.image_layout)  # template in json
+    turns = [ChatTurn("user", "describe this picture", 1)]
+    assert tok.encode_chat(turns, [TOKENS]) == ckpt.tokenizer.encode_chat(turns, [TOKENS])
+
+
+def test_prefixed_names_and_an_untied_head_load(ckpt: Checkpoint, tmp_path: Path) -> None:
+    """transformers' in-memory names (`model.language_model.*`, ...) with an explicit lm_head."""
+    for name in ("config.json", "tokenizer.json", "processor_config.json"):
+        shutil.copy(ckpt.saved / name, tmp_path)
+
+    def rename(name: str) -> str:
+        name = _hub_name(name)
+        return "model." + name.replace("language_model.model.", "language_model.", 1)
+
+    _rename_tensors(ckpt.saved, tmp_path, rename)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
+    assert "model.vision_tower.vision_model.post_layernorm.weight" in tensors
+    head = torch.randn_like(tensors["model.language_model.embed_tokens.weight"])
+    tensors["lm_head.weight"] = head
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    model = gemma3.load(tmp_path)
+    assert torch.equal(model.lm_head.weight, head)
+    emb = model.language_model.embed_tokens.weight
+    assert torch.equal(emb, ckpt.ours.language_model.embed_tokens.weight)
+
+
+def _edit_config(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    cfg = json.loads(path.read_text())
+    edit(cfg)
+    path.write_text(json.dumps(cfg))
+
+
+MALFORMED: dict[str, tuple[Callable[[Path], None], str]] = {
+    "model_type": (
+        lambda d: _edit_config(d / "config.json", lambda c: c.update(model_type="gemma2")),
+        "config.json model_type 'gemma2' is not gemma3",
+    ),
+    "softcap": (
+        lambda d: _edit_config(
+            d / "config.json", lambda c: c["text_config"].update(attn_logit_softcapping=50.0)
+        ),
+        "text_config.attn_logit_softcapping 50.0 is not supported",
+    ),
+    "rope": (
+        lambda d: _edit_config(
+            d / "config.json",
+            lambda c: c["text_config"]["rope_parameters"]["full_attention"].update(
+                rope_type="yarn"
+            ),
+        ),
+        "rope_type 'yarn' of full_attention layers is not supported",
+    ),
+    "layer_types": (
+        lambda d: _edit_config(
+            d / "config.json", lambda c: c["text_config"].update(layer_types=["full_attention"])
+        ),
+        "text_config.layer_types must list 4",
+    ),
+    "tokens_per_image": (
+        lambda d: _edit_config(d / "config.json", lambda c: c.update(mm_tokens_per_image=15)),
+        "mm_tokens_per_image 15 is not a square",
+    ),
+    "image_seq_length": (
+        lambda d: _edit_config(
+            d / "processor_config.json", lambda c: c.update(image_seq_length=256)
+        ),
+        "processor_config.json image_seq_length 256 != mm_tokens_per_image 16",
+    ),
+    "hidden_size": (
+        lambda d: _edit_config(
+            d / "config.json", lambda c: c["text_config"].update(hidden_size=96)
+        ),
+        "mm_input_projection_weight has shape (32, 64); the config implies (32, 96)",
+    ),
+    "missing_tensor": (
+        lambda d: _rename_tensors(
+            d, d, lambda n: n.replace("layers.3.self_attn.k_norm", "layers.3.self_attn.x_norm")
+        ),
+        "lacks 1 tensor(s) the config implies, e.g. language_model.layers.3.self_attn.k_norm",
+    ),
+    "not_json": (
+        lambda d: (d / "config.json").write_text("{'model_type': gemma3"),
+        "config.json is not valid JSON",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_checkpoint_stops_with_one_line(
+    ckpt: Checkpoint, tmp_path: Path, case: str
+) -> None:
+    shutil.copytree(ckpt.saved, tmp_path / "ck")
+    break_it, expected = MALFORMED[case]
+    break_it(tmp_path / "ck")
+    with pytest.raises(ModelConfigError) as err:
+        gemma3.load(tmp_path / "ck")
+    message = str(err.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_tokenizer_refuses_a_layout_it_cannot_spell(ckpt: Checkpoint) -> None:
+    wrong = gemma3.GemmaImageLayout("<start_of_picture>", "<image_soft_token>", "<end_of_image>")
+    with pytest.raises(ModelConfigError, match="lacks the special tokens"):
+        ChatTokenizer(ckpt.saved, ckpt.ours.cfg.image_token_id, wrong)
+
+
+def test_user_text_cannot_open_an_image(ckpt: Checkpoint) -> None:
+    """`<start_of_image>` typed by a user is text: no image slot, no image token."""
+    turns = [ChatTurn("user", "look <start_of_image> here", 0)]
+    ids = ckpt.tokenizer.encode_prompt(turns)
+    cfg = ckpt.ours.cfg
+    assert cfg.image_token_id not in ids and cfg.boi_token_id not in ids
