@@ -32,6 +32,8 @@ IMAGE_TOKEN = "<image>"
 
 
 class ImageLayout(Protocol):
+    """A family's image text, for templates that mark an image with more than its token."""
+
     @property
     def marker(self) -> str:
         """What the chat template emits where an image goes (a special token)."""

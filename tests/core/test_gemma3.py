@@ -506,3 +506,21 @@ def test_user_text_cannot_open_an_image(ckpt: Checkpoint) -> None:
     ids = ckpt.tokenizer.encode_prompt(turns)
     cfg = ckpt.ours.cfg
     assert cfg.image_token_id not in ids and cfg.boi_token_id not in ids
+
+
+def test_bfloat16_runs_close_to_float32(ckpt: Checkpoint) -> None:
+    """The weights cast to bfloat16 at load (the GPU's dtype) run the same layers without a
+    dtype error, and stay near the float32 logits."""
+    half = gemma3.load(ckpt.saved, dtype=torch.bfloat16)
+    assert half.lm_head.weight.dtype == torch.bfloat16
+    turns = [ChatTurn("user", "describe this picture", 1)]
+    ids = ckpt.tokenizer.encode_chat(turns, [TOKENS])
+    pixels = torch.from_numpy(np.stack(_images(1, 1))).permute(0, 3, 1, 2).contiguous()
+    with torch.no_grad():
+        feats = ckpt.ours.encode_images(ckpt.ours.normalize(pixels))
+        full = DenseKV(ckpt.ours).run(ids, feats.flatten(0, 1))
+        feats = half.encode_images(half.normalize(pixels).to(torch.bfloat16))
+        low = DenseKV(half).run(ids, feats.flatten(0, 1))
+    err = float((full - low).abs().max() / full.abs().max())
+    print(f"gemma3 bfloat16 vs float32: max abs logit difference / max logit {err:.3f}")
+    assert err < 0.1
