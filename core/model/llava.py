@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from core.model import config as model_config
 from core.model.config import LlavaConfig
-from core.model.layers import activation
+from core.model.layers import activation, embed_with_images
 from core.model.text import Decoder, KVCache
 from core.model.vision import VisionTower
+from core.model.weights import FUSED, encoder_digest, fuse, read_state
 
 # Checkpoint prefixes (legacy llava-hf and transformers >= 4.52) -> this module's names.
 _PREFIXES = (
@@ -25,12 +24,6 @@ _PREFIXES = (
     ("language_model.lm_head.", "lm_head."),
 )
 _IGNORED_SUFFIXES = ("position_ids", "rotary_emb.inv_freq")
-_ENCODER_PREFIXES = ("vision_tower.", "multi_modal_projector.")
-# Decoder projections stored apart in checkpoints and run as one GEMM here, in output order.
-_FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
 CPU = torch.device("cpu")
 
 
@@ -107,19 +100,9 @@ class Llava(nn.Module):
     ) -> torch.Tensor:
         """Token embeddings, on the weights' device, with image-token positions replaced by image
         features, in order. The ids are counted on the host, without waiting for the device."""
-        ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
-        image_id, device = self.cfg.image_token_id, self.language_model.embed_tokens.weight.device
-        num_image = ids.count(image_id)
-        host = torch.tensor([0 if i == image_id else i for i in ids])
-        embeds = self.language_model.embed_tokens(host.to(device))
-        if num_image:
-            if image_features is None or image_features.shape[0] != num_image:
-                have = 0 if image_features is None else image_features.shape[0]
-                raise ValueError(f"{num_image} image tokens but {have} image feature rows")
-            is_image = torch.tensor([i == image_id for i in ids]).to(device)
-            rows = image_features.to(device, embeds.dtype)
-            embeds = embeds.masked_scatter(is_image[:, None], rows)
-        return embeds
+        return embed_with_images(
+            self.language_model.embed_tokens, self.cfg.image_token_id, token_ids, image_features
+        )
 
     def forward_tokens(self, embeds: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits of the last position after running `embeds` through the decoder."""
@@ -131,14 +114,7 @@ class Llava(nn.Module):
 
     def encoder_digest(self) -> str:
         """SHA-256 over the encoder's (vision tower + projector) weights, in name order."""
-        digest = hashlib.sha256()
-        for name, tensor in sorted(self.state_dict().items()):
-            if name.startswith(_ENCODER_PREFIXES):
-                digest.update(name.encode())
-                # Raw bytes (numpy has no bfloat16): float32 weights hash as they always did.
-                raw = tensor.detach().contiguous().cpu().view(torch.uint8)
-                digest.update(raw.numpy().tobytes())
-        return digest.hexdigest()
+        return encoder_digest(self)
 
 
 def canonical_name(name: str) -> str | None:
@@ -163,37 +139,16 @@ def load(
     """The checkpoint's weights read straight onto `device` one tensor at a time, each cast to
     `dtype` there once (float32 on the CPU, the default, is exactly the checkpoint's values)."""
     cfg = model_config.load(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    state: dict[str, torch.Tensor] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                canonical = canonical_name(name)
-                if canonical is not None:
-                    tensor = f.get_tensor(name)
-                    state[canonical] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    state = read_state(model_dir, canonical_name, device, dtype)
     if "lm_head.weight" not in state and cfg.text.tie_word_embeddings:
         state["lm_head.weight"] = state["language_model.embed_tokens.weight"]
-    _fuse(state, cfg.text.num_layers)
+    fuse(state, cfg.text.num_layers)
     with torch.device("meta"):
         model = Llava(cfg)
     model.load_state_dict(state, strict=True, assign=True)
     with torch.device(device):  # the derived buffers (float32) beside the weights
         model.reset_buffers()
     return model.eval()
-
-
-def _fuse(state: dict[str, torch.Tensor], num_layers: int) -> None:
-    """Concatenates each layer's separately stored projections (`_FUSED`) into one tensor."""
-    for i in range(num_layers):
-        layer = f"language_model.layers.{i}."
-        for fused, parts in _FUSED.items():
-            for kind in ("weight", "bias"):
-                names = [f"{layer}{part}.{kind}" for part in parts]
-                if all(name in state for name in names):
-                    state[f"{layer}{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
 
 
 def _unfuse(model: Llava, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -206,11 +161,11 @@ def _unfuse(model: Llava, state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     }
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        fused = next((f for f in _FUSED if f".{f}." in name), None)
+        fused = next((f for f in FUSED if f".{f}." in name), None)
         if fused is None or not name.startswith("language_model.layers."):
             out[name] = tensor
             continue
-        for part, piece in zip(_FUSED[fused], torch.split(tensor, sizes[fused]), strict=True):
+        for part, piece in zip(FUSED[fused], torch.split(tensor, sizes[fused]), strict=True):
             out[name.replace(fused, part)] = piece
     return out
 

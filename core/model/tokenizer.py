@@ -5,21 +5,44 @@ text, only the template's own text may hold special tokens (`<s>`, `</s>`, `<ima
 users' text is tokenised with special-token parsing off. So `</s>` typed by a user is five
 characters, not an end of sequence, and `<image>` is text, not an image slot. Runs of text between
 the template's special tokens are tokenised whole, as before, so ordinary prompts get the same ids.
+
+Most families' templates put the image token itself where an image goes. A family whose processor
+writes more (Gemma 3: the template says `<start_of_image>`, the processor makes that
+"\n\n<start_of_image>" + the visual tokens + "<end_of_image>\n\n") gives an `ImageLayout`: its
+text replaces each of the template's markers before tokenisation, as the processor does, so the
+newlines merge with the text around them into the same ids; it holds the image token once per view.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from core.model.config import ModelConfigError
+
 IMAGE_TOKEN = "<image>"
+
+
+class ImageLayout(Protocol):
+    """A family's image text, for templates that mark an image with more than its token."""
+
+    @property
+    def marker(self) -> str:
+        """What the chat template emits where an image goes (a special token)."""
+        ...
+
+    def text(self, num_views: int) -> str:
+        """The prompt text that replaces the marker for an image of `num_views` views, with the
+        image token once per view."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +53,9 @@ class ChatTurn:
 
 
 class ChatTokenizer:
-    def __init__(self, model_dir: Path, image_token_id: int) -> None:
+    def __init__(
+        self, model_dir: Path, image_token_id: int, layout: ImageLayout | None = None
+    ) -> None:
         self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self._plain = Tokenizer.from_str(self.tok.to_str())  # for text that may come from users
         self._plain.encode_special_tokens = True
@@ -48,6 +73,22 @@ class ChatTokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self.template = env.from_string(template)
         self._texts: dict[int, str] = {}  # token_text's answers; at most one per vocabulary id
+        self.layout: ImageLayout | None = None
+        if layout is not None:
+            self._check_layout(layout)
+        self.layout = layout
+
+    def _check_layout(self, layout: ImageLayout) -> None:
+        """Refuses a layout whose marker is not a special token of this tokenizer, or whose
+        text does not hold the image token once per view."""
+        ids: list[int] = []
+        text: list[str] = []
+        self._template(layout.text(2), text, ids, iter(()))
+        if layout.marker not in self._special_ids or ids.count(self.image_token_id) != 2:
+            raise ModelConfigError(
+                f"tokenizer.json lacks the special tokens of the image layout "
+                f"({layout.marker!r}, image token id {self.image_token_id})"
+            )
 
     def render(self, turns: list[ChatTurn]) -> str:
         messages = [
@@ -64,30 +105,41 @@ class ChatTokenizer:
             eos_token=self.eos_token,
         )
 
-    def encode_prompt(self, turns: list[ChatTurn]) -> list[int]:
+    def encode_prompt(
+        self, turns: list[ChatTurn], views_per_image: list[int] | None = None
+    ) -> list[int]:
         """Token ids of the rendered conversation, one image token per image slot of the template
-        (not expanded: admission counts tokens with it before any image is encoded)."""
+        (not expanded: admission counts tokens with it before any image is encoded). With an
+        `ImageLayout`, one per view: `views_per_image` (default one each) says how many."""
         marks = [f"\ue000{i}\ue001" for i in range(len(turns))]  # private-use: never in a template
         rendered = self.render([replace(t, text=m) for t, m in zip(turns, marks, strict=True)])
         ids: list[int] = []
         text: list[str] = []  # plain text since the template's last special token
+        views = iter(views_per_image or ())
         pos = 0
         for turn, mark in zip(turns, marks, strict=True):
             at = rendered.find(mark, pos)
             if at == -1:
                 continue  # the template leaves this turn's text out
-            self._template(rendered[pos:at], text, ids)
+            self._template(rendered[pos:at], text, ids, views)
             text.append(turn.text)
             pos = at + len(mark)
-        self._template(rendered[pos:], text, ids)
+        self._template(rendered[pos:], text, ids, views)
         ids += self._plain.encode("".join(text), add_special_tokens=False).ids
         if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id, *ids]
         return ids
 
-    def _template(self, part: str, text: list[str], ids: list[int]) -> None:
-        """Adds template text: its special tokens become their ids, the text between them (with
-        users' text before it) is tokenised as plain text."""
+    def _template(self, part: str, text: list[str], ids: list[int], views: Iterator[int]) -> None:
+        """Adds template text: each image marker laid out (`ImageLayout`), its special tokens
+        become their ids, the text between them (with users' text before it) is tokenised as
+        plain text."""
+        if self.layout is not None:
+            pieces = part.split(self.layout.marker)
+            laid_out = [pieces[0]]
+            for piece in pieces[1:]:
+                laid_out += [self.layout.text(next(views, 1)), piece]
+            part = "".join(laid_out)
         start = 0
         for found in self._specials.finditer(part):
             text.append(part[start : found.start()])
