@@ -16,13 +16,12 @@ import torch
 from torch import nn
 
 from core.model import gemma3_config
-from core.model.config import ModelConfigError
 from core.model.gemma3_config import MODEL_TYPES, Gemma3Config, GemmaTextConfig, Rope
 from core.model.layers import activation, embed_with_images
 from core.model.llava import canonical_name
 from core.model.text import _rotate
 from core.model.vision import VisionTower
-from core.model.weights import encoder_digest, fuse, read_state
+from core.model.weights import check_state, encoder_digest, fuse, read_state
 
 __all__ = ["MODEL_TYPES", "Gemma3", "GemmaImageLayout", "load"]
 
@@ -297,28 +296,8 @@ def load(model_dir: Path, device: torch.device = CPU, dtype: torch.dtype = torch
     fuse(state, cfg.text.num_layers)
     with torch.device("meta"):
         model = Gemma3(cfg)
-    _check_state(model, state)
+    check_state(model, state)
     model.load_state_dict(state, strict=True, assign=True)
     with torch.device(device):  # the derived buffers (float32) beside the weights
         model.reset_buffers()
     return model.eval()
-
-
-def _check_state(model: Gemma3, state: dict[str, torch.Tensor]) -> None:
-    """One line for the first tensor that is missing, unexpected or of the wrong shape."""
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise ModelConfigError(
-            f"the checkpoint lacks {len(missing)} tensor(s) the config implies, e.g. {missing[0]}"
-        )
-    extra = sorted(set(state) - set(expected))
-    if extra:
-        raise ModelConfigError(
-            f"the checkpoint has {len(extra)} tensor(s) this loader does not know, e.g. {extra[0]}"
-        )
-    for name, shape in expected.items():
-        if tuple(state[name].shape) != shape:
-            raise ModelConfigError(
-                f"tensor {name} has shape {tuple(state[name].shape)}; the config implies {shape}"
-            )

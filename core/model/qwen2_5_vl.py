@@ -15,7 +15,6 @@ positions, in prompt order, with the rows of the visual items in that order.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,13 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from core.model.config import ModelConfigError, TextConfig
-from core.model.llava import _fuse
 from core.model.qwen2_5_vl_vision import Grid, QwenVisionConfig, QwenVisionTransformer, patchify
 from core.model.text import Attention, DecoderLayer, RMSNorm, _rotate
+from core.model.weights import check_state, encoder_digest, fuse, read_state
 
 MODEL_TYPES = ("qwen2_5_vl",)
 CPU = torch.device("cpu")
@@ -349,14 +347,7 @@ class QwenVL(nn.Module):
 
     def encoder_digest(self) -> str:
         """SHA-256 over the vision transformer's weights (merger included), in name order."""
-        digest = hashlib.sha256()
-        for name, tensor in sorted(self.state_dict().items()):
-            if name.startswith("visual."):
-                digest.update(name.encode())
-                digest.update(
-                    tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-                )
-        return digest.hexdigest()
+        return encoder_digest(self, ("visual.",))
 
 
 def canonical_name(name: str) -> str | None:
@@ -369,54 +360,17 @@ def canonical_name(name: str) -> str | None:
     return name
 
 
-def _read_state(
-    model_dir: Path, device: torch.device, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelConfigError(f"{model_dir.name}: no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt", device=str(device)) as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    canonical = canonical_name(name)
-                    if canonical is not None:
-                        tensor = f.get_tensor(name)
-                        state[canonical] = (
-                            tensor.to(dtype) if tensor.is_floating_point() else tensor
-                        )
-        except (OSError, SafetensorError) as exc:
-            raise ModelConfigError(
-                f"{path.name} is not a readable safetensors file ({type(exc).__name__})"
-            ) from None
-    return state
-
-
 def load(model_dir: Path, device: torch.device = CPU, dtype: torch.dtype = torch.float32) -> QwenVL:
     """The checkpoint's weights read straight onto `device` one tensor at a time, each cast to
     `dtype` there once; every parameter must be present with its configured shape."""
     cfg = load_config(model_dir)
-    state = _read_state(model_dir, device, dtype)
+    state = read_state(model_dir, canonical_name, device, dtype)
     if "lm_head.weight" not in state and "language_model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["language_model.embed_tokens.weight"]
-    _fuse(state, cfg.text.num_layers)
+    fuse(state, cfg.text.num_layers)
     with torch.device("meta"):
         model = QwenVL(cfg)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise ModelConfigError(
-            f"{model_dir.name}: tensor {missing[0]!r} missing ({len(missing)} in all)"
-        )
-    for name, tensor in state.items():
-        if name not in expected:
-            raise ModelConfigError(f"{model_dir.name}: unexpected tensor {name!r}")
-        if tensor.shape != expected[name].shape:
-            raise ModelConfigError(
-                f"{model_dir.name}: tensor {name!r} has shape {tuple(tensor.shape)}, config says "
-                f"{tuple(expected[name].shape)}"
-            )
+    check_state(model, state)
     model.load_state_dict(state, strict=True, assign=True)
     with torch.device(device):
         model.reset_buffers()

@@ -448,13 +448,13 @@ def _drop_tensor(path: Path) -> None:
             _edit_text("rope_parameters", {"rope_type": "yarn", "mrope_section": [2, 3, 3]}),
             "'yarn'",
         ),
-        (_edit_text("intermediate_size", 96), "has shape (64, 128), config says (64, 96)"),
+        (_edit_text("intermediate_size", 96), "has shape (256, 64); the config implies (192, 64)"),
         (lambda p: (p / "model.safetensors").unlink(), "no *.safetensors"),
         (
             lambda p: (p / "model.safetensors").write_bytes(b"not a checkpoint"),
             "model.safetensors is not",
         ),
-        (_drop_tensor, "'visual.merger.ln_q.weight' missing"),
+        (_drop_tensor, "lacks 1 tensor(s) the config implies, e.g. visual.merger.ln_q.weight"),
         (lambda p: (p / "config.json").write_text("{"), "config.json is not readable JSON"),
     ],
 )
