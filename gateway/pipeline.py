@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from gateway import decode, hedging, limits, metrics, routing, tiling, video
+from gateway.config import LimitsConfig
 from gateway.core_client import (
     CoreClient,
     CoreFinal,
@@ -274,30 +275,14 @@ class Pipeline:
                 yield _final(event, item_hashes, set(missed), timings, job.started, first)
 
     async def _plan(self, job: _Job, geo: Geometry, timings: dict[str, float]) -> list[Plan]:
-        """Each item's geometry under the core's rule, bounded by the tenant's limits: native
-        frames of at most max_pixels, at most max_tiles pan-and-scan crops, and at most
-        max_sampled_frames frames (a native item keeps whole temporal patches of them)."""
+        """Each item's geometry under the core's rule within the tenant's limits."""
         lim = job.tenant.limits
-        rule = _rule(geo, lim.max_pixels, lim.max_tiles)
-        plans = []
-        for index, probe in enumerate(await self._probe(job, timings)):
-            w, h = probe.width, probe.height
-            wanted = min(probe.num_frames, lim.max_sampled_frames)
-            if rule.kind == "native":
-                wanted = rule.native_frames(wanted)
-            if job.formats[index] in VIDEO:  # the worker already sampled: one item per sample time
-                frames = tuple(range(wanted))
-            else:
-                frames = tiling.sample_frames(probe.num_frames, wanted)
-            if rule.kind == "native":
-                nw, nh = rule.native_size(w, h)
-                grid = tiling.Grid(nh // rule.factor, nw // rule.factor)
-            elif rule.kind == "fixed":
-                grid = tiling.Grid(*rule.crop_grid(w, h))
-            else:
-                grid = tiling.grid_for(job.ask.detail, w, h, rule.image_size, lim.max_tiles)
-            plans.append(Plan(index, grid, frames, stacked=rule.kind == "native"))
-        return plans
+        rule = bounded_rule(geo.rule, lim)
+        probes = await self._probe(job, timings)
+        return [
+            plan_media(i, p, job.formats[i] in VIDEO, job.ask.detail, rule, lim)
+            for i, p in enumerate(probes)
+        ]
 
     async def _probe(self, job: _Job, timings: dict[str, float]) -> list[decode.Probe]:
         """Each item's probe: from the probe cache when these bytes were probed under these
@@ -336,25 +321,12 @@ class Pipeline:
             wanted.setdefault(plan.media, []).extend(frames)
         grids = {p.media: p.grid for p, _ in items}
         lim = job.tenant.limits
-        rule = _rule(geo, lim.max_pixels, lim.max_tiles)
+        rule = bounded_rule(geo.rule, lim)
         order = list(wanted)
         jobs = []
         for m in order:
-            g = grids[m]
-            spec = decode.Spec(
-                job.formats[m],
-                rule.image_size,
-                geo.fill,
-                g.rows,
-                g.cols,
-                tuple(wanted[m]),
-                lim.max_pixels,
-                lim.max_side,
-                rule.kind,
-                rule.resample,
-                g.cols * rule.factor,
-                g.rows * rule.factor,
-            )
+            frames = tuple(wanted[m])
+            spec = decode_spec(job.formats[m], grids[m], frames, rule, geo.fill, lim)
             args = {**spec.to_json(), "video": job.video_limits}
             jobs.append(self.pool.run("decode", args, job.media[m], job.budget))
         replies = await _all(jobs)
@@ -378,9 +350,62 @@ class Pipeline:
         return out
 
 
-def _rule(geo: Geometry, max_pixels: int, max_tiles: int) -> PreprocessRule:
-    """The core's rule within the tenant's limits (a limit tightens the rule, never loosens)."""
-    return geo.rule.bounded(max_pixels, max_tiles + 1)
+def bounded_rule(rule: PreprocessRule, lim: LimitsConfig) -> PreprocessRule:
+    """The core's rule within the tenant's limits (a limit tightens the rule, never loosens):
+    native frames of at most max_pixels, at most max_tiles pan-and-scan crops."""
+    return rule.bounded(lim.max_pixels, lim.max_tiles + 1)
+
+
+def plan_media(
+    index: int,
+    probe: decode.Probe,
+    is_video: bool,
+    detail: str,
+    rule: PreprocessRule,
+    lim: LimitsConfig,
+) -> Plan:
+    """What one media item becomes under `rule`, from its header alone: at most
+    max_sampled_frames frames (a native item keeps whole temporal patches of them), and the
+    tile grid, crop grid or native size of each."""
+    w, h = probe.width, probe.height
+    wanted = min(probe.num_frames, lim.max_sampled_frames)
+    if rule.kind == "native":
+        wanted = rule.native_frames(wanted)
+    # A video's worker samples by time: its frames are sample numbers.
+    frames = tuple(range(wanted)) if is_video else tiling.sample_frames(probe.num_frames, wanted)
+    if rule.kind == "native":
+        nw, nh = rule.native_size(w, h)
+        grid = tiling.Grid(nh // rule.factor, nw // rule.factor)
+    elif rule.kind == "fixed":
+        grid = tiling.Grid(*rule.crop_grid(w, h))
+    else:
+        grid = tiling.grid_for(detail, w, h, rule.image_size, lim.max_tiles)
+    return Plan(index, grid, frames, stacked=rule.kind == "native")
+
+
+def decode_spec(
+    fmt: str,
+    grid: tiling.Grid,
+    frames: tuple[int, ...],
+    rule: PreprocessRule,
+    fill: tuple[int, int, int],
+    lim: LimitsConfig,
+) -> decode.Spec:
+    """The worker's job for `frames` of one media item planned under `rule`."""
+    return decode.Spec(
+        fmt,
+        rule.image_size,
+        fill,
+        grid.rows,
+        grid.cols,
+        frames,
+        lim.max_pixels,
+        lim.max_side,
+        rule.kind,
+        rule.resample,
+        grid.cols * rule.factor,
+        grid.rows * rule.factor,
+    )
 
 
 def _headers(
