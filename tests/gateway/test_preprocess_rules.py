@@ -230,3 +230,25 @@ def test_max_tiles_bounds_the_crops_of_a_rule(tmp_path: Path) -> None:
     probe = decode.Probe(2400, 300, 1)
     assert plan_media(0, probe, False, "auto", bounded, lim).grid.cols == 3
     assert plan_media(0, probe, False, "auto", rule, LIMITS).grid.cols == 8
+
+
+def test_a_native_animation_is_one_item_of_whole_temporal_patches(
+    worker: Worker, tmp_path: Path
+) -> None:
+    """Five frames keep four (two temporal patches), every frame at the same size, each as the
+    processor resizes that frame; the core is told one item of shape (4, 3, H, W)."""
+    processor = _processor("qwen2_5_vl")
+    rule = _rule(tmp_path, "qwen2_5_vl", processor)
+    frames = [_scene(150, 100, seed=20 + i) for i in range(5)]
+    data = _encode(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=100)
+    probe = decode.Probe(150, 100, 5)
+    plan = plan_media(0, probe, False, "auto", rule, LIMITS)
+    assert plan.stacked and plan.frames == (0, 1, 3, 4) and plan.items == (plan.frames,)
+    shape = rule.item_shape(plan.grid.rows, plan.grid.cols, len(plan.frames))
+    assert shape[0] == 4 and rule.visual_tokens(shape) == 2 * shape[2] * shape[3] // 28**2
+    spec = decode_spec(sniff(data), plan.grid, plan.frames, rule, (0, 0, 0), LIMITS)
+    arrays = worker.run("decode", spec.to_json(), data).arrays
+    gif = Image.open(io.BytesIO(data))
+    for index, array in zip(plan.frames, arrays, strict=True):
+        gif.seek(index)
+        _check(array, qwen_reference(processor, gif.convert("RGB")), f"frame {index}")
