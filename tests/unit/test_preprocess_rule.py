@@ -209,3 +209,22 @@ def test_rule_for_llava_is_the_tiled_rule_of_its_config(model_dir: Path) -> None
     assert math.isclose(rule.mean[0], cfg.image_mean[0])
     with pytest.raises(ModelConfigError):
         rule_for(model_dir, "mystery_vl")
+
+
+def test_a_gateway_reads_a_core_that_predates_the_rule_as_tiles() -> None:
+    from gateway.core_client import CoreUnreachable, geometry_from_proto
+
+    old = core_pb2.CoreInfo(
+        core_id="c", image_size=336, tokens_per_tile=576, preprocess_version="pp1",
+        image_mean=CLIP_MEAN, image_std=CLIP_STD,
+    )  # fmt: skip
+    geo = geometry_from_proto(old)
+    assert geo.rule.kind == "tiles" and geo.rule.image_size == 336
+    assert geo.preprocess_version == "pp1"  # echoed: the old core checks its own version
+    assert geo.fill == (123, 117, 104)
+    new = core_pb2.CoreInfo(core_id="c", preprocess_version=NATIVE.version())
+    new.rule.CopyFrom(rule_to_proto(NATIVE))
+    assert geometry_from_proto(new).rule == NATIVE
+    new.rule.merge_size = 0
+    with pytest.raises(CoreUnreachable):
+        geometry_from_proto(new)
