@@ -39,6 +39,7 @@ from core.device import kv_cache_bytes, resolve
 from core.generate import TextStream, token_logprobs
 from core.input_processor import Admitted, InputProcessor
 from core.model import llava, paged
+from core.model.preprocessing import rule_for
 from core.model.tokenizer import ChatTokenizer
 from core.outputs import EngineOutput, NewRequestData, RunnerOutput, SchedulerOutput
 from core.runner import ModelRunner
@@ -50,7 +51,6 @@ from shared import logs
 from shared.config import ConfigError
 from shared.errors import Reason, VisorError
 
-PREPROCESS_VERSION = "pp1"
 T = TypeVar("T")
 log = logs.get("core.engine")
 _FAILURES = {
@@ -119,12 +119,8 @@ class Engine:
             core_id=core_id,
             model_id=model_dir.resolve().name,
             encoder_digest=self.model.encoder_digest(),
-            image_size=cfg.vision.image_size,
-            tokens_per_tile=cfg.tokens_per_tile,
-            preprocess_version=PREPROCESS_VERSION,
+            rule=rule_for(model_dir, "llava"),
             accepted_dtypes=("uint8",),
-            image_mean=cfg.image_mean,
-            image_std=cfg.image_std,
         )
         self.batch_invariant = batch_invariant
         self._build(scheduler or SchedulerConfig(), gpu_memory_fraction)

@@ -33,6 +33,7 @@ class FeatureService:
                 item.tile_rows,
                 item.tile_cols,
                 item.frame,
+                item.shape,
             )
             for item in req.items
         ]

@@ -28,12 +28,6 @@ from shared.errors import Reason, VisorError
 from shared.sampling import check_logprobs, check_response_format, check_sampling, check_stop
 
 
-def num_tiles(rows: int, cols: int) -> int:
-    """Tiles of a grid: every cell, plus a global thumbnail when there is more than one cell."""
-    cells = rows * cols
-    return cells + 1 if cells > 1 else cells
-
-
 class QueueSlot:
     """A place in the scheduler's queue, held from admission until the scheduler has the request
     (or it is dropped before): a request being encoded counts as waiting, so a burst is refused
@@ -154,31 +148,41 @@ class InputProcessor:
     def _declared(
         self, items: tuple[ItemSpec, ...], chosen: compression.Profile
     ) -> tuple[int, ...]:
-        per_tile = self.info.tokens_per_tile
-        return tuple(
-            compression.visual_tokens(per_tile, self._check_item(item), chosen) for item in items
-        )
+        """Each item's visual tokens under the rule; the tiled family's compression profiles
+        prune per tile, so its count is the compressed one (other kinds count every token)."""
+        rule = self.info.rule
+        counts = []
+        for item in items:
+            self._check_item(item)
+            if rule.kind == "tiles":
+                views = item.shape[0]
+                counts.append(compression.visual_tokens(rule.tokens_per_tile, views, chosen))
+            else:
+                counts.append(rule.visual_tokens(item.shape))
+        return tuple(counts)
 
-    def _check_item(self, item: ItemSpec) -> int:
-        """The item's tile count, once its declared geometry is what this encoder takes."""
-        tiles = num_tiles(item.tile_rows, item.tile_cols)
-        if tiles < 1 or tiles > self.max_item_tiles:
+    def _check_item(self, item: ItemSpec) -> None:
+        """Refuses an item whose declared geometry is not what this core's rule produces: the
+        version (the rule's digest), dtype, the shape the grid implies, and the rule's own
+        bounds on that shape (views or frames at most max_item_tiles)."""
+        rule = self.info.rule
+        frames = item.shape[0] if item.shape else 0
+        if not 1 <= frames <= self.max_item_tiles or item.tile_rows * item.tile_cols < 1:
             raise VisorError(
                 Reason.INVALID_REQUEST,
-                f"an item's tile grid is empty or over the core's max_item_tiles "
-                f"({self.max_item_tiles})",
+                f"an item's grid is empty or its views / frames are over the core's "
+                f"max_item_tiles ({self.max_item_tiles})",
             )
-        size = self.info.image_size
         if (
             item.preprocess_version != self.info.preprocess_version
-            or item.resolution != size
+            or item.resolution != rule.resolution
             or item.dtype not in self.info.accepted_dtypes
-            or item.shape != (tiles, 3, size, size)
+            or item.shape != rule.item_shape(item.tile_rows, item.tile_cols, frames)
         ):
             raise VisorError(
                 Reason.INVALID_REQUEST, "item geometry does not match this core's encoder"
             )
-        return tiles
+        rule.check_shape(item.shape)
 
     def _reserve(self) -> QueueSlot:
         with self._lock:

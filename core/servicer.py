@@ -15,13 +15,13 @@ from core import compression, metrics
 from core.cache import Entry
 from core.engine import Engine
 from core.features import FeatureService
-from core.input_processor import Admitted, num_tiles
+from core.input_processor import Admitted
 from core.model.tokenizer import ChatTurn
 from core.types import CachePolicy, Delta, InferRequest, ItemSpec, Result, SamplingParams
 from shared import logs, tracing
 from shared.errors import Reason, VisorError
 from shared.metrics import observe
-from shared.proto import core_pb2, core_pb2_grpc, response_format
+from shared.proto import core_pb2, core_pb2_grpc, response_format, rule_to_proto
 from shared.status import to_status
 from shared.wire import TensorAssembler, TensorSpec
 
@@ -82,6 +82,7 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
             accepted_dtypes=list(i.accepted_dtypes),
             image_mean=list(i.image_mean),
             image_std=list(i.image_std),
+            rule=rule_to_proto(i.rule),
         )
 
     async def Infer(
@@ -181,7 +182,7 @@ def _note_request(req: InferRequest, profile: str) -> None:
     tracing.note(
         request_id=req.request_id,
         num_items=len(req.items),
-        num_tiles=sum(num_tiles(i.tile_rows, i.tile_cols) for i in req.items),
+        num_tiles=sum(i.shape[0] for i in req.items),  # views (or native frames), checked
         profile=profile,
     )
 
@@ -201,9 +202,7 @@ def _compress_all(
 ) -> list[np.ndarray]:
     seed = int.from_bytes(req.request_id.encode()[:8].ljust(8, b"\0"))
     return [
-        compression.compress_item(
-            e.features, e.importance, num_tiles(item.tile_rows, item.tile_cols), chosen, seed
-        )
+        compression.compress_item(e.features, e.importance, item.shape[0], chosen, seed)
         for e, item in zip(entries, req.items, strict=True)
     ]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.model.tokenizer import ChatTurn
+from shared.preprocess import PreprocessRule
 from shared.sampling import ResponseFormat, TokenLogprob
 
 
@@ -26,11 +27,11 @@ class SamplingParams:
 class ItemSpec:
     content_hash: str  # hex SHA-256 of the raw bytes
     preprocess_version: str  # gateway preprocessing version
-    resolution: int  # tile side in pixels
-    tile_rows: int  # tile grid rows
-    tile_cols: int  # tile grid cols
+    resolution: int  # tile / view side, or a native token's side, in pixels
+    tile_rows: int  # tile grid, crop grid or native height in tokens: rows
+    tile_cols: int  # ... and cols
     dtype: str  # wire dtype
-    shape: tuple[int, ...]  # (tiles, 3, resolution, resolution)
+    shape: tuple[int, ...]  # (n, 3, H, W) as the rule's kind lays it out (core.proto ItemSpec)
     frame: int = 0  # frame index within an animation or video
 
 
@@ -58,12 +59,32 @@ class CoreInfo:
     core_id: str  # reported as served_by
     model_id: str  # checkpoint directory name
     encoder_digest: str  # digest of vision tower + projector weights
-    image_size: int  # encoder input side
-    tokens_per_tile: int  # visual tokens per tile
-    preprocess_version: str  # what the gateway must apply
+    rule: PreprocessRule  # what the gateway must apply
     accepted_dtypes: tuple[str, ...]  # wire dtypes accepted
-    image_mean: tuple[float, ...]  # normalisation mean (fused into the encoder for uint8)
-    image_std: tuple[float, ...]  # normalisation std
+
+    @property
+    def preprocess_version(self) -> str:
+        """The version items carry: the steps' version and the rule's digest."""
+        return self.rule.version()
+
+    @property
+    def image_size(self) -> int:
+        """Tile (tiles) or view (fixed) side; 0 for a native rule."""
+        return self.rule.image_size
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """Visual tokens per tile (tiles) or per view (fixed); 0 for a native rule."""
+        return self.rule.tokens_per_tile or self.rule.tokens_per_image
+
+    @property
+    def image_mean(self) -> tuple[float, ...]:
+        """Normalisation mean (fused into the encoder for uint8)."""
+        return self.rule.mean
+
+    @property
+    def image_std(self) -> tuple[float, ...]:
+        return self.rule.std
 
 
 @dataclass(frozen=True, slots=True)

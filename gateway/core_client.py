@@ -17,7 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.types import Delta, Params, Turn
 from shared.errors import Reason, VisorError
-from shared.proto import core_pb2, core_pb2_grpc
+from shared.preprocess import PreprocessRule, tiles
+from shared.proto import core_pb2, core_pb2_grpc, rule_from_proto
 from shared.sampling import TokenLogprob
 from shared.secret import CORE_TOKEN_METADATA
 from shared.status import from_rpc_error
@@ -38,9 +39,25 @@ class Geometry:
     """What the core's encoder takes (from Describe)."""
 
     core_id: str  # the core's id
-    image_size: int  # tile side
-    preprocess_version: str  # version to apply
-    fill: tuple[int, int, int]  # letterbox colour: the encoder's mean in 0..255
+    rule: PreprocessRule  # the core's rule, within this gateway's limits (see `Pipeline._plan`)
+    preprocess_version: str  # version to apply (the core's, echoed: it names the rule)
+    fill: tuple[int, int, int]  # letterbox colour (tiles): the encoder's mean in 0..255
+
+
+def geometry_from_proto(info: core_pb2.CoreInfo) -> Geometry:
+    """The core's rule; a core that predates `rule` declares the tiles rule of its old fields.
+    An unusable rule makes the core unreachable for this gateway (another may do)."""
+    try:
+        if info.HasField("rule"):
+            rule = rule_from_proto(info.rule)
+        else:
+            mean, std = tuple(info.image_mean), tuple(info.image_std)
+            rule = tiles(info.image_size, info.tokens_per_tile, mean, std)
+            rule.validate()
+    except ValueError as exc:
+        raise CoreUnreachable(f"the core declared an unusable preprocessing rule: {exc}") from None
+    r, g, b = (round(m * 255) for m in rule.mean)
+    return Geometry(info.core_id, rule, info.preprocess_version, (r, g, b))
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,10 +256,7 @@ class CoreClient:
                 info = await self._stub.Describe(core_pb2.DescribeRequest(), timeout=timeout)
             except grpc.RpcError as exc:
                 raise _rpc_error(exc) from None
-            r, g, b = (round(m * 255) for m in info.image_mean[:3])
-            self._geometry = Geometry(
-                info.core_id, info.image_size, info.preprocess_version, (r, g, b)
-            )
+            self._geometry = geometry_from_proto(info)
         return self._geometry
 
     def forget(self) -> None:

@@ -21,6 +21,7 @@ from PIL import Image, ImageOps, features
 
 from gateway import headers
 from shared.errors import Reason, VisorError
+from shared.preprocess import crop_boxes
 
 # Alpha is flattened on white: documents and UI screenshots with transparency read as intended.
 BACKGROUND = (255, 255, 255)
@@ -41,16 +42,23 @@ HAS_LCMS = bool(features.check("littlecms2"))
 
 @dataclass(frozen=True, slots=True)
 class Spec:
-    """What one decode job must produce (crosses the pipe as JSON)."""
+    """What one decode job must produce (crosses the pipe as JSON). The geometry follows the
+    core's rule kind: `tiles` lays out a rows x cols grid of `size` tiles (plus a thumbnail);
+    `fixed` squashes the whole image, then each of a rows x cols pan-and-scan crop grid, to
+    `size` square; `native` resizes to `width` x `height`."""
 
     fmt: str  # Pillow format name from the sniffer
-    size: int  # tile side
-    fill: tuple[int, int, int]  # padding colour (the encoder's mean)
-    rows: int  # tile grid rows
-    cols: int  # tile grid columns
-    frames: tuple[int, ...]  # frame indices to decode, one item each
+    size: int  # tile or view side (tiles, fixed)
+    fill: tuple[int, int, int]  # padding colour (the encoder's mean; tiles)
+    rows: int  # tile grid rows, or crop grid rows (fixed)
+    cols: int  # tile grid columns, or crop grid columns (fixed)
+    frames: tuple[int, ...]  # frame indices to decode, one array each
     max_pixels: int  # per frame, rechecked here
     max_side: int  # per side, rechecked here
+    kind: str = "tiles"  # the rule's kind: "tiles", "fixed" or "native"
+    resample: str = "bicubic"  # the rule's filter (tiles are always bicubic)
+    width: int = 0  # native: resized width
+    height: int = 0  # native: resized height
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -62,6 +70,10 @@ class Spec:
             "frames": list(self.frames),
             "max_pixels": self.max_pixels,
             "max_side": self.max_side,
+            "kind": self.kind,
+            "resample": self.resample,
+            "width": self.width,
+            "height": self.height,
         }
 
     @staticmethod
@@ -76,10 +88,17 @@ class Spec:
             tuple(int(f) for f in d["frames"]),
             int(d["max_pixels"]),
             int(d["max_side"]),
+            str(d.get("kind", "tiles")),
+            str(d.get("resample", "bicubic")),
+            int(d.get("width", 0)),
+            int(d.get("height", 0)),
         )
 
     @property
     def num_tiles(self) -> int:
+        """Arrays' first dimension: tiles or views (a native frame is one)."""
+        if self.kind == "native":
+            return 1
         cells = self.rows * self.cols
         return cells + 1 if cells > 1 else cells
 
@@ -224,7 +243,8 @@ def decode(data: bytes, spec: Spec) -> Decoded:
     with _open(data, spec.fmt) as img:
         check_pixels(*img.size, spec.max_pixels, spec.max_side)
         with refusals("media could not be decoded"):
-            if spec.fmt == "JPEG":
+            if spec.fmt == "JPEG" and spec.kind == "tiles":
+                # Only tiles: other kinds match their processor's full-resolution resize.
                 _draft(img, spec)
             for index in spec.frames:
                 t1 = time.perf_counter()
@@ -275,7 +295,31 @@ def _to_srgb(rgb: Image.Image, src: Image.Image) -> Image.Image:
     return out if out is not None else rgb
 
 
+FILTERS = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
+
+
 def preprocess(rgb: Image.Image, spec: Spec) -> np.ndarray:
+    """One frame to (views, 3, H, W) uint8 as the spec's kind lays it out."""
+    if spec.kind == "tiles":
+        return _stack(_tiles(rgb, spec))
+    # As the model's processor resizes: the whole source, its filter, no reducing gap.
+    f = FILTERS[spec.resample]
+    if spec.kind == "native":
+        if min(spec.width, spec.height) < 1:
+            raise VisorError(Reason.INVALID_REQUEST, "a native resize needs a size")
+        return _stack([rgb.resize((spec.width, spec.height), f)])
+    views = [rgb.resize((spec.size, spec.size), f)]
+    if spec.rows * spec.cols > 1:  # pan and scan: the crops follow the whole image
+        boxes = crop_boxes(rgb.width, rgb.height, spec.rows, spec.cols)
+        views += [rgb.crop(box).resize((spec.size, spec.size), f) for box in boxes]
+    return _stack(views)
+
+
+def _stack(views: list[Image.Image]) -> np.ndarray:
+    return np.stack([np.asarray(v, dtype=np.uint8) for v in views]).transpose(0, 3, 1, 2).copy()
+
+
+def _tiles(rgb: Image.Image, spec: Spec) -> list[Image.Image]:
     tiles = []
     if spec.rows * spec.cols > 1:
         tiles.append(_letterbox(rgb, spec.size, spec.fill))  # the global thumbnail comes first
@@ -286,7 +330,7 @@ def preprocess(rgb: Image.Image, spec: Spec) -> np.ndarray:
                 tiles.append(canvas.crop(box))
     else:
         tiles.append(_letterbox(rgb, spec.size, spec.fill))
-    return np.stack([np.asarray(t, dtype=np.uint8) for t in tiles]).transpose(0, 3, 1, 2).copy()
+    return tiles
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
@@ -351,6 +395,9 @@ def warm() -> None:
     big = io.BytesIO()
     Image.new("RGB", (512, 512)).save(big, "JPEG")
     decode(big.getvalue(), Spec("JPEG", 16, (0, 0, 0), 1, 1, (0,), 1 << 20, 1 << 10))
+    for kind, resample in (("native", "bicubic"), ("fixed", "bilinear")):  # the other rules
+        spec = Spec("JPEG", 16, (0, 0, 0), 1, 2, (0,), 1 << 20, 1 << 10, kind, resample, 28, 56)
+        decode(big.getvalue(), spec)
     if HAS_LCMS:  # an embedded profile: ImageCms and LittleCMS's transform code get loaded
         from PIL import ImageCms
 

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from gateway import decode, hedging, limits, metrics, routing, tiling, video
+from gateway.config import LimitsConfig
 from gateway.core_client import (
     CoreClient,
     CoreFinal,
@@ -32,6 +33,7 @@ from gateway.tenants import Tenant
 from gateway.types import Ask, Delta, Final
 from shared.errors import Reason, VisorError
 from shared.hashing import content_hash
+from shared.preprocess import PreprocessRule
 
 T = TypeVar("T")
 
@@ -57,8 +59,16 @@ class Plan:
     """What one media item becomes."""
 
     media: int  # index into the request's media
-    grid: tiling.Grid  # tile grid for every frame of it
-    frames: tuple[int, ...]  # sampled frame indices, one core item each
+    # For every frame: the tile grid (tiles), the pan-and-scan crop grid (fixed), or the resized
+    # size in merged tokens (native); with the rule, it gives each item's shape.
+    grid: tiling.Grid
+    frames: tuple[int, ...]  # sampled frame indices
+    stacked: bool = False  # all frames are one core item (native), else one item each
+
+    @property
+    def items(self) -> tuple[tuple[int, ...], ...]:
+        """The frames of each core item this media item becomes."""
+        return (self.frames,) if self.stacked else tuple((f,) for f in self.frames)
 
 
 @dataclass(slots=True)
@@ -75,7 +85,7 @@ class _Job:
     hashes: list[str]  # content hash per item
     started: float  # arrival (perf_counter)
     timeout: float | None  # seconds from `started`
-    plans: dict[int, list[Plan]] = field(default_factory=dict)  # by the core's tile side
+    plans: dict[str, list[Plan]] = field(default_factory=dict)  # by the core's version
     budget: Budget = field(init=False)  # the request's share of the decode pool
     video_limits: dict[str, Any] = field(init=False)  # the tenant's, for the decode workers
 
@@ -195,8 +205,8 @@ class Pipeline:
         """Plans before any attempt when the first core's geometry is known, so that a hedge
         measures the core's handshake, not the probes."""
         geo = cores[0].described if cores else None
-        if geo is not None and geo.image_size not in job.plans:
-            job.plans[geo.image_size] = await self._plan(job, geo, timings)
+        if geo is not None and geo.preprocess_version not in job.plans:
+            job.plans[geo.preprocess_version] = await self._plan(job, geo, timings)
 
     def _attempt_s(self, job: _Job, attempts_by: float | None) -> float:
         """How long one core may take to answer Describe or the cache handshake."""
@@ -224,10 +234,10 @@ class Pipeline:
             if err.reason is not Reason.DEADLINE_EXCEEDED:
                 raise
             raise CoreUnreachable("Describe timed out") from None
-        if geo.image_size not in job.plans:  # cores of one deployment share it: plan once
-            job.plans[geo.image_size] = await self._plan(job, geo, timings)
-        plans = job.plans[geo.image_size]
-        items = [(p, f) for p in plans for f in p.frames]
+        if geo.preprocess_version not in job.plans:  # a deployment's cores share it: plan once
+            job.plans[geo.preprocess_version] = await self._plan(job, geo, timings)
+        plans = job.plans[geo.preprocess_version]
+        items = [(p, frames) for p in plans for frames in p.items]
         headers = _headers(job.hashes, geo, items)
         missed: list[int] = []
 
@@ -265,17 +275,14 @@ class Pipeline:
                 yield _final(event, item_hashes, set(missed), timings, job.started, first)
 
     async def _plan(self, job: _Job, geo: Geometry, timings: dict[str, float]) -> list[Plan]:
+        """Each item's geometry under the core's rule within the tenant's limits."""
         lim = job.tenant.limits
-        plans = []
-        for index, probe in enumerate(await self._probe(job, timings)):
-            w, h = probe.width, probe.height
-            grid = tiling.grid_for(job.ask.detail, w, h, geo.image_size, lim.max_tiles)
-            if job.formats[index] in VIDEO:  # the worker already sampled: one item per sample time
-                frames = tuple(range(min(probe.num_frames, lim.max_sampled_frames)))
-            else:
-                frames = tiling.sample_frames(probe.num_frames, lim.max_sampled_frames)
-            plans.append(Plan(index, grid, frames))
-        return plans
+        rule = bounded_rule(geo.rule, lim)
+        probes = await self._probe(job, timings)
+        return [
+            plan_media(i, p, job.formats[i] in VIDEO, job.ask.detail, rule, lim)
+            for i, p in enumerate(probes)
+        ]
 
     async def _probe(self, job: _Job, timings: dict[str, float]) -> list[decode.Probe]:
         """Each item's probe: from the probe cache when these bytes were probed under these
@@ -303,30 +310,23 @@ class Pipeline:
         self,
         job: _Job,
         geo: Geometry,
-        items: list[tuple[Plan, int]],
+        items: list[tuple[Plan, tuple[int, ...]]],
         missing: list[int],
         timings: dict[str, float],
     ) -> list[np.ndarray]:
         """Decodes each media item once, for all of its frames the core lacks."""
         wanted: dict[int, list[int]] = {}
         for i in missing:
-            plan, frame = items[i]
-            wanted.setdefault(plan.media, []).append(frame)
+            plan, frames = items[i]
+            wanted.setdefault(plan.media, []).extend(frames)
         grids = {p.media: p.grid for p, _ in items}
         lim = job.tenant.limits
+        rule = bounded_rule(geo.rule, lim)
         order = list(wanted)
         jobs = []
         for m in order:
-            spec = decode.Spec(
-                job.formats[m],
-                geo.image_size,
-                geo.fill,
-                grids[m].rows,
-                grids[m].cols,
-                tuple(wanted[m]),
-                lim.max_pixels,
-                lim.max_side,
-            )
+            frames = tuple(wanted[m])
+            spec = decode_spec(job.formats[m], grids[m], frames, rule, geo.fill, lim)
             args = {**spec.to_json(), "video": job.video_limits}
             jobs.append(self.pool.run("decode", args, job.media[m], job.budget))
         replies = await _all(jobs)
@@ -336,40 +336,103 @@ class Pipeline:
                 image_decode=sum(float(r.body["decode_ms"]) for r in replies),
                 preprocess=sum(float(r.body["preprocess_ms"]) for r in replies),
             )
-        size = geo.image_size
         for m, r in zip(order, replies, strict=True):
-            expected = (grids[m].num_tiles, 3, size, size)
+            expected = rule.item_shape(grids[m].rows, grids[m].cols)  # one frame's
             if len(r.arrays) != len(wanted[m]) or any(a.shape != expected for a in r.arrays):
                 # Only a misbehaving (compromised) worker answers with other geometry.
                 raise VisorError(Reason.DECODER_CRASHED, "the decoder returned the wrong geometry")
         by_media = {m: list(r.arrays) for m, r in zip(order, replies, strict=True)}
-        return [by_media[items[i][0].media].pop(0) for i in missing]
+        out = []
+        for i in missing:
+            plan, frames = items[i]
+            arrays = [by_media[plan.media].pop(0) for _ in frames]
+            out.append(arrays[0] if len(arrays) == 1 else np.concatenate(arrays))
+        return out
+
+
+def bounded_rule(rule: PreprocessRule, lim: LimitsConfig) -> PreprocessRule:
+    """The core's rule within the tenant's limits (a limit tightens the rule, never loosens):
+    native frames of at most max_pixels, at most max_tiles pan-and-scan crops."""
+    return rule.bounded(lim.max_pixels, lim.max_tiles + 1)
+
+
+def plan_media(
+    index: int,
+    probe: decode.Probe,
+    is_video: bool,
+    detail: str,
+    rule: PreprocessRule,
+    lim: LimitsConfig,
+) -> Plan:
+    """What one media item becomes under `rule`, from its header alone: at most
+    max_sampled_frames frames (a native item keeps whole temporal patches of them), and the
+    tile grid, crop grid or native size of each."""
+    w, h = probe.width, probe.height
+    wanted = min(probe.num_frames, lim.max_sampled_frames)
+    if rule.kind == "native":
+        wanted = rule.native_frames(wanted)
+    # A video's worker samples by time: its frames are sample numbers.
+    frames = tuple(range(wanted)) if is_video else tiling.sample_frames(probe.num_frames, wanted)
+    if rule.kind == "native":
+        nw, nh = rule.native_size(w, h)
+        grid = tiling.Grid(nh // rule.factor, nw // rule.factor)
+    elif rule.kind == "fixed":
+        grid = tiling.Grid(*rule.crop_grid(w, h))
+    else:
+        grid = tiling.grid_for(detail, w, h, rule.image_size, lim.max_tiles)
+    return Plan(index, grid, frames, stacked=rule.kind == "native")
+
+
+def decode_spec(
+    fmt: str,
+    grid: tiling.Grid,
+    frames: tuple[int, ...],
+    rule: PreprocessRule,
+    fill: tuple[int, int, int],
+    lim: LimitsConfig,
+) -> decode.Spec:
+    """The worker's job for `frames` of one media item planned under `rule`."""
+    return decode.Spec(
+        fmt,
+        rule.image_size,
+        fill,
+        grid.rows,
+        grid.cols,
+        frames,
+        lim.max_pixels,
+        lim.max_side,
+        rule.kind,
+        rule.resample,
+        grid.cols * rule.factor,
+        grid.rows * rule.factor,
+    )
 
 
 def _headers(
-    hashes: list[str], geo: Geometry, items: list[tuple[Plan, int]]
+    hashes: list[str], geo: Geometry, items: list[tuple[Plan, tuple[int, ...]]]
 ) -> tuple[ItemHeader, ...]:
     """What the core is told about each item: its cache key fields and tensor shape."""
-    size = geo.image_size
+    rule = geo.rule
     return tuple(
         ItemHeader(
             hashes[p.media],
             geo.preprocess_version,
-            size,
+            rule.resolution,
             p.grid.rows,
             p.grid.cols,
-            (p.grid.num_tiles, 3, size, size),
-            frame,
+            rule.item_shape(p.grid.rows, p.grid.cols, len(frames)),
+            frames[0],
         )
-        for p, frame in items
+        for p, frames in items
     )
 
 
 def _images_per_turn(ask: Ask, plans: list[Plan]) -> tuple[int, ...]:
-    """Core items per turn: a media item counts once per sampled frame."""
+    """Core items per turn: a media item counts once per core item (per sampled frame, or once
+    for a native item that stacks its frames)."""
     out, index = [], 0
     for turn in ask.turns:
-        out.append(sum(len(plans[index + k].frames) for k in range(len(turn.media))))
+        out.append(sum(len(plans[index + k].items) for k in range(len(turn.media))))
         index += len(turn.media)
     return tuple(out)
 

@@ -24,11 +24,12 @@ class FeatureKey:
     content_hash: str  # SHA-256 of the item's bytes
     encoder_id: str  # encoder name
     encoder_digest: str  # digest of the encoder weights
-    preprocess_version: str  # version of the gateway's preprocessing steps
-    resolution: int  # side of each tile in pixels
-    tile_rows: int  # tile grid rows
-    tile_cols: int  # tile grid cols
+    preprocess_version: str  # the gateway's steps and the core's rule digest (shared.preprocess)
+    resolution: int  # tile / view side, or a native token's side, in pixels
+    tile_rows: int  # tile grid, crop grid or native size in tokens: rows
+    tile_cols: int  # ... and cols
     frame: int = 0  # frame index within an animation or video
+    shape: tuple[int, ...] = ()  # the item's tensor shape (a native item's frame count is here)
 
     def encode(self) -> bytes:
         fields = (
@@ -40,5 +41,6 @@ class FeatureKey:
             str(self.resolution),
             f"{self.tile_rows}x{self.tile_cols}",
             str(self.frame),
+            "x".join(map(str, self.shape)),
         )
         return "\x1f".join(fields).encode()

@@ -1,0 +1,161 @@
+"""A checkpoint's preprocessing rule, read from its processor config (no transformers at run time).
+
+Two layouts hold the image processor's settings: transformers 5 writes `processor_config.json`
+with them nested under `image_processor`; Hub checkpoints carry `preprocessor_config.json`, flat.
+A key that is absent takes the family processor's own default. Settings the gateway cannot apply
+(no resize, another rescale factor, a filter other than bicubic / bilinear) are refused rather
+than silently preprocessed differently from the model's training.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from core.model import config as llava_config
+from core.model.config import ModelConfigError
+from shared.preprocess import PreprocessRule, tiles
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+HALF = (0.5, 0.5, 0.5)
+RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL's filter numbers
+LLAVA_TYPES = ("llava", "llava_next")
+# Qwen's image processors: (patch_size, merge_size, temporal_patch_size, min_pixels, max_pixels,
+# mean, std), the defaults of Qwen2VLImageProcessor (Qwen2-VL, 2.5-VL) and Qwen3-VL's.
+NATIVE_DEFAULTS: dict[str, tuple[int, int, int, int, int, tuple[float, ...], tuple[float, ...]]] = {
+    "qwen2_vl": (14, 2, 2, 56 * 56, 28 * 28 * 1280, CLIP_MEAN, CLIP_STD),
+    "qwen2_5_vl": (14, 2, 2, 56 * 56, 28 * 28 * 1280, CLIP_MEAN, CLIP_STD),
+    "qwen3_vl": (16, 2, 2, 64 * 64 * 16, 32 * 32 * 16384, HALF, HALF),
+}
+FIXED_TYPES = ("gemma3",)
+
+
+def rule_for(model_dir: Path, model_type: str) -> PreprocessRule:
+    """The rule the gateway must apply for this checkpoint; ModelConfigError names the file and
+    key when its processor settings are malformed or beyond what the gateway implements."""
+    if model_type in LLAVA_TYPES:
+        cfg = llava_config.load(model_dir)
+        return tiles(cfg.vision.image_size, cfg.tokens_per_tile, cfg.image_mean, cfg.image_std)
+    where, proc = processor_config(model_dir)
+    if model_type in NATIVE_DEFAULTS:
+        rule = _native(proc, NATIVE_DEFAULTS[model_type], where)
+    elif model_type in FIXED_TYPES:
+        rule = _fixed(proc, _mm_tokens(model_dir), where)
+    else:
+        raise ModelConfigError(f"config.json: no preprocessing rule for model_type {model_type!r}")
+    try:
+        rule.validate()
+    except ValueError as exc:
+        raise ModelConfigError(f"{where}: {exc}") from None
+    return rule
+
+
+def processor_config(model_dir: Path) -> tuple[str, dict[str, Any]]:
+    """(file name, the image processor's settings) in either layout; {} when there is neither."""
+    nested = model_dir / "processor_config.json"
+    if nested.exists():
+        raw = _read(nested)
+        inner = raw.get("image_processor")
+        if isinstance(inner, dict):
+            return f"{nested.name} image_processor", inner
+    flat = model_dir / "preprocessor_config.json"
+    return (flat.name, _read(flat)) if flat.exists() else (flat.name, {})
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelConfigError(f"{path.name}: not readable JSON ({type(exc).__name__})") from None
+    if not isinstance(raw, dict):
+        raise ModelConfigError(f"{path.name}: not a JSON object")
+    return raw
+
+
+def _common(proc: dict[str, Any], default_resample: int, where: str) -> str:
+    """Checks the steps every rule assumes; returns the resampling filter's name."""
+    for key in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
+        if proc.get(key, True) is not True:
+            raise ModelConfigError(f"{where}: {key} = {proc[key]!r} is not supported (true only)")
+    factor = proc.get("rescale_factor", 1 / 255)
+    if not isinstance(factor, float | int) or abs(factor - 1 / 255) > 1e-9:
+        raise ModelConfigError(f"{where}: rescale_factor = {factor!r} (only 1/255)")
+    resample = proc.get("resample", default_resample)
+    if resample not in RESAMPLE:
+        raise ModelConfigError(f"{where}: resample = {resample!r} (2 bilinear or 3 bicubic)")
+    return RESAMPLE[resample]
+
+
+def _int(proc: dict[str, Any], key: str, default: int, where: str) -> int:
+    value = proc.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ModelConfigError(f"{where}: {key} = {value!r} is not a count")
+    return value
+
+
+def _channels(
+    proc: dict[str, Any], key: str, default: tuple[float, ...], where: str
+) -> tuple[float, ...]:
+    value = proc.get(key, default)
+    if isinstance(value, float | int):
+        value = [value] * 3
+    try:
+        return tuple(float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ModelConfigError(f"{where}: {key} is not a list of numbers") from None
+
+
+def _native(
+    proc: dict[str, Any],
+    defaults: tuple[int, int, int, int, int, tuple[float, ...], tuple[float, ...]],
+    where: str,
+) -> PreprocessRule:
+    patch, merge, temporal, min_px, max_px, mean, std = defaults
+    size = proc.get("size") or {}
+    if not isinstance(size, dict):
+        raise ModelConfigError(f"{where}: size = {size!r} is not an object")
+    # Older checkpoints state min_pixels / max_pixels at the top; newer ones in `size`.
+    min_px = _int(size, "shortest_edge", _int(proc, "min_pixels", min_px, where), where)
+    max_px = _int(size, "longest_edge", _int(proc, "max_pixels", max_px, where), where)
+    return PreprocessRule(
+        kind="native",
+        mean=_channels(proc, "image_mean", mean, where),
+        std=_channels(proc, "image_std", std, where),
+        resample=_common(proc, 3, where),
+        patch_size=_int(proc, "patch_size", patch, where),
+        merge_size=_int(proc, "merge_size", merge, where),
+        temporal_patch_size=_int(proc, "temporal_patch_size", temporal, where),
+        min_pixels=min_px,
+        max_pixels=max_px,
+    )
+
+
+def _fixed(proc: dict[str, Any], tokens: int, where: str) -> PreprocessRule:
+    size = proc.get("size") or {"height": 896, "width": 896}
+    if not isinstance(size, dict) or size.get("height") != size.get("width"):
+        raise ModelConfigError(f"{where}: size = {size!r} (a square height = width only)")
+    pan = bool(proc.get("do_pan_and_scan") or False)
+    return PreprocessRule(
+        kind="fixed",
+        mean=_channels(proc, "image_mean", HALF, where),
+        std=_channels(proc, "image_std", HALF, where),
+        resample=_common(proc, 2, where),
+        image_size=_int(size, "height", 896, where),
+        tokens_per_image=tokens,
+        pan_and_scan=pan,
+        min_crop_size=_int(proc, "pan_and_scan_min_crop_size", 256, where) if pan else 0,
+        max_num_crops=_int(proc, "pan_and_scan_max_num_crops", 4, where) if pan else 0,
+        min_ratio_to_activate=float(proc.get("pan_and_scan_min_ratio_to_activate") or 1.2)
+        if pan
+        else 0.0,
+    )
+
+
+def _mm_tokens(model_dir: Path) -> int:
+    """Gemma 3's visual tokens per view: config.json's mm_tokens_per_image (256 by default)."""
+    raw = _read(model_dir / "config.json")
+    return _int(raw, "mm_tokens_per_image", 256, "config.json")

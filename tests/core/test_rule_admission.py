@@ -1,0 +1,86 @@
+"""Admission under the native and fixed rules (the demo's tokenizer, a core that declares Qwen's
+or Gemma's rule): a declared item must have the shape its grid implies under the rule and within
+the rule's bounds, and counts the visual tokens the rule says, before any tensor arrives."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from core.config import SchedulerConfig
+from core.engine import Engine
+from core.input_processor import InputProcessor
+from core.model.tokenizer import ChatTurn
+from core.types import InferRequest, ItemSpec, SamplingParams
+from shared.errors import Reason, VisorError
+from shared.preprocess import PreprocessRule
+
+NATIVE = PreprocessRule(
+    "native", (0.5,) * 3, (0.5,) * 3, "bicubic", patch_size=14, merge_size=2,
+    temporal_patch_size=2, min_pixels=3136, max_pixels=1003520,
+)  # fmt: skip
+FIXED = PreprocessRule(
+    "fixed", (0.5,) * 3, (0.5,) * 3, "bilinear", image_size=896, tokens_per_image=256,
+    pan_and_scan=True, min_crop_size=256, max_num_crops=4, min_ratio_to_activate=1.2,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Iterator[Engine]:
+    e = Engine(model_dir, "rules")
+    yield e
+    e.close()
+
+
+def _inputs(engine: Engine, rule: PreprocessRule) -> InputProcessor:
+    info = dataclasses.replace(engine.info, rule=rule)
+    return InputProcessor(engine.tokenizer, info, SchedulerConfig(), 100_000, engine.grammars)
+
+
+def _item(rule: PreprocessRule, rows: int, cols: int, shape: tuple[int, ...]) -> ItemSpec:
+    return ItemSpec("0" * 64, rule.version(), rule.resolution, rows, cols, "uint8", shape)
+
+
+def _req(*items: ItemSpec) -> InferRequest:
+    turns = (ChatTurn("user", "What is it?", len(items)),)
+    return InferRequest("t", "r", turns, SamplingParams(4), items, "none")
+
+
+def _refused(inputs: InputProcessor, item: ItemSpec) -> str:
+    with pytest.raises(VisorError) as err:
+        inputs.check(_req(item))
+    assert err.value.reason == Reason.INVALID_REQUEST
+    return err.value.message
+
+
+def test_native_items_count_tokens_by_the_rule(engine: Engine) -> None:
+    inputs = _inputs(engine, NATIVE)
+    still = _item(NATIVE, 20, 30, (1, 3, 560, 840))  # H != W
+    video = _item(NATIVE, 20, 30, (4, 3, 560, 840))  # two temporal patches
+    _, counts = inputs.check(_req(still, video))
+    assert counts == (600, 1200)
+
+
+def test_native_shapes_that_break_the_rule_are_refused(engine: Engine) -> None:
+    inputs = _inputs(engine, NATIVE)
+    assert "geometry" in _refused(inputs, _item(NATIVE, 20, 30, (1, 3, 560, 841)))  # grid != shape
+    assert "max_pixels" in _refused(inputs, _item(NATIVE, 40, 40, (1, 3, 1120, 1120)))
+    assert "min_pixels" in _refused(inputs, _item(NATIVE, 1, 1, (1, 3, 28, 28)))
+    assert "max_item_tiles" in _refused(inputs, _item(NATIVE, 2, 2, (17, 3, 56, 56)))
+    stale = dataclasses.replace(_item(NATIVE, 20, 30, (1, 3, 560, 840)), preprocess_version="pp1")
+    assert "geometry" in _refused(inputs, stale)
+    tiled = dataclasses.replace(_item(NATIVE, 20, 30, (1, 3, 560, 840)), resolution=336)
+    assert "geometry" in _refused(inputs, tiled)
+
+
+def test_fixed_items_count_views_and_bound_crops(engine: Engine) -> None:
+    inputs = _inputs(engine, FIXED)
+    _, counts = inputs.check(
+        _req(_item(FIXED, 1, 1, (1, 3, 896, 896)), _item(FIXED, 1, 3, (4, 3, 896, 896)))
+    )
+    assert counts == (256, 1024)
+    assert "max_num_crops" in _refused(inputs, _item(FIXED, 1, 5, (6, 3, 896, 896)))
+    assert "geometry" in _refused(inputs, _item(FIXED, 1, 1, (1, 3, 896, 672)))
