@@ -33,6 +33,14 @@ class Step:
 
 
 @dataclass(frozen=True, slots=True)
+class Kept:
+    """Which of an item's visual tokens its compressed features stand for."""
+
+    num_tokens: int  # the item's tokens before compression
+    indices: np.ndarray  # int64, increasing: the original index of each kept (or merged) token
+
+
+@dataclass(frozen=True, slots=True)
 class Profile:
     name: str  # the name requests use
     steps: tuple[Step, ...]  # applied in order

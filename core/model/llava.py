@@ -32,6 +32,7 @@ _FUSED = {
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
 CPU = torch.device("cpu")
+MODEL_TYPES = ("llava",)  # config.json `model_type` values this family serves
 
 
 class Projector(nn.Module):
@@ -69,6 +70,7 @@ def encode_with_importance(
 class Llava(nn.Module):
     pixel_scale: torch.Tensor
     pixel_shift: torch.Tensor
+    bidirectional_images = False  # causal attention over image tokens too
 
     def __init__(self, cfg: LlavaConfig) -> None:
         super().__init__()
@@ -120,6 +122,16 @@ class Llava(nn.Module):
             rows = image_features.to(device, embeds.dtype)
             embeds = embeds.masked_scatter(is_image[:, None], rows)
         return embeds
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of the step's (tokens,) positions, for every layer."""
+        return self.language_model.rotary(positions)
+
+    def prompt_positions(
+        self, ids: list[int], grids: list[tuple[int, int, int]]
+    ) -> tuple[torch.Tensor | None, int]:
+        """1-D rope: a token's position is its index in the sequence."""
+        return None, 0
 
     def forward_tokens(self, embeds: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits of the last position after running `embeds` through the decoder."""
