@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,11 +20,11 @@ from torch import nn
 
 from core.compression import Kept
 from core.config import SchedulerConfig
-from core.kv_cache import ImageSpan
+from core.kv_cache import NULL_BLOCK, ImageSpan
 from core.model import paged
 from core.model.config import TextConfig
 from core.model.text import RMSNorm, _rotate
-from core.outputs import NewRequestData
+from core.outputs import NewRequestData, RunnerOutput
 from core.runner import ModelRunner, prompt_positions
 from core.scheduler import Scheduler
 from core.sequence import Sequence
@@ -77,8 +76,22 @@ class TinyModel(nn.Module):
         super().__init__()
         torch.manual_seed(3)
         self.mrope, self.bidirectional_images = mrope, bidirectional
-        text = TextConfig("llama", VOCAB, HIDDEN, 64, len(windows), HEADS, KV_HEADS, DIM,
-                          1e-6, 1e4, True, 4096, False, ())
+        text = TextConfig(
+            "llama",
+            VOCAB,
+            HIDDEN,
+            64,
+            len(windows),
+            HEADS,
+            KV_HEADS,
+            DIM,
+            1e-6,
+            1e4,
+            True,
+            4096,
+            False,
+            (),
+        )
         self.cfg = TinyConfig(text)
         self.language_model = TinyDecoder(windows)
         self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
@@ -109,7 +122,9 @@ class TinyModel(nn.Module):
             nxt, i = nxt + max(h, w), i + h * w
         return torch.tensor(pos).t(), nxt - len(ids)
 
-    def embed(self, token_ids: list[int] | torch.Tensor, image: torch.Tensor | None) -> torch.Tensor:
+    def embed(
+        self, token_ids: list[int] | torch.Tensor, image: torch.Tensor | None
+    ) -> torch.Tensor:
         ids = torch.as_tensor(token_ids)
         out = self.language_model.embed_tokens(torch.where(ids == IMAGE, 0, ids))
         if image is not None:
@@ -154,7 +169,13 @@ def dense_logits(model: TinyModel, s: Seq) -> torch.Tensor:
         seen = (j <= i) & (j > i - window) if window is not None else j <= i
         mask = seen | both
 
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        def attend(
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            scale: float,
+            mask: torch.Tensor = mask,
+        ) -> torch.Tensor:
             k, v = (t.repeat_interleave(HEADS // KV_HEADS, 0) for t in (k, v))
             scores = (q @ k.transpose(1, 2) * scale).masked_fill(~mask, -math.inf)
             return (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, -1)
@@ -176,7 +197,9 @@ def _spans(ids: list[int]) -> Spans:
     return tuple(out)
 
 
-def _sequence(model: TinyModel, gen: torch.Generator, owner: Seq | None = None, share: int = 0) -> Seq:
+def _sequence(
+    model: TinyModel, gen: torch.Generator, owner: Seq | None = None, share: int = 0
+) -> Seq:
     """Text and one or two images (grids 1 x h x w, 4..30 tokens), then 4 decode tokens; with an
     `owner`, its first `share` tokens (and the rest of an image crossing there) are the owner's."""
     rand = lambda lo, hi: int(torch.randint(lo, hi + 1, (), generator=gen))  # noqa: E731
@@ -248,7 +271,9 @@ def _run(
     blocks. `free`: table entries behind the widest window point at a noise block."""
     kv = paged.PagedKV(len(model.language_model.layers), 64, 16, KV_HEADS, DIM)
     blocks = iter(torch.randperm(GARBAGE, generator=torch.Generator().manual_seed(5)).tolist())
-    tables = {s: [next(blocks) for _ in range(-(-q.embeds.shape[0] // 16))] for s, q in seqs.items()}
+    tables = {
+        s: [next(blocks) for _ in range(-(-q.embeds.shape[0] // 16))] for s, q in seqs.items()
+    }
     if 100 in seqs and 0 in seqs:
         first = -(-_first_start(steps, 100) // 16)
         tables[100][:first] = tables[0][:first]
@@ -302,7 +327,9 @@ def test_batch_invariant_logits_are_bitwise_alone_and_batched(variant: str, seed
     free = None not in {layer.sliding_window for layer in model.language_model.layers}
     batched = _run(model, seqs, _plan(seqs, starts, seed), True, free)
     for sid, seq in seqs.items():
-        alone_steps = [[(sid, 0, seq.prompt)]] + [[(sid, i, 1)] for i in range(seq.prompt, seq.prompt + 4)]
+        alone_steps = [[(sid, 0, seq.prompt)]] + [
+            [(sid, i, 1)] for i in range(seq.prompt, seq.prompt + 4)
+        ]
         alone = _run(model, {sid: seq}, alone_steps, True, free)
         for index in range(seq.prompt - 1, seq.prompt + 4):
             assert torch.equal(alone[(sid, index)], batched[(sid, index)]), (sid, index)
@@ -321,3 +348,125 @@ def test_positions_go_into_the_step_per_token() -> None:
     inside = paged.SeqChunk(0, 4, torch.tensor([3]), True, None, ((2, 6),))
     with pytest.raises(ValueError, match="inside an image"):
         paged.step_metadata([inside], 16, False, cpu)
+
+
+def _request(
+    seq_id: int, model: TinyModel, gen: torch.Generator, n: int
+) -> tuple[Sequence, NewRequestData]:
+    """A prompt of text around images (their features random), greedy for `n` tokens."""
+    seq = _sequence(model, gen)
+    params = SamplingParams(max_new_tokens=n, min_new_tokens=n)
+    features = tuple(
+        np.random.default_rng(seq_id * 10 + k).normal(0, 0.5, (b - a, HIDDEN)).astype(np.float32)
+        for k, (a, b) in enumerate(seq.spans)
+    )
+    spans = tuple(ImageSpan(a, b, bytes([seq_id, k])) for k, (a, b) in enumerate(seq.spans))
+    s = Sequence(seq_id, "t", b"salt", list(seq.ids), seq.prompt, spans, params, arrival=0.0)
+    new = NewRequestData(
+        seq_id, tuple(seq.ids), features, params, seq_id, None, tuple(seq.grids), seq.spans
+    )
+    return s, new
+
+
+def _generate(model: TinyModel, num_blocks: int, seed: int) -> tuple[dict[int, list[int]], int]:
+    """Four requests through the real scheduler and runner; their generated ids, and how many
+    preemptions it took."""
+    windows = {layer.sliding_window for layer in model.language_model.layers}
+    cfg = SchedulerConfig(max_batch_tokens=48, max_prefill_chunk=32)
+    sliding = None if None in windows else max(w for w in windows if w is not None)
+    sched = Scheduler(cfg, num_blocks, {0}, 16, model.bidirectional_images, sliding)
+    runner = ModelRunner(model, num_blocks, 16, {0})  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i in range(4):
+        seq, new = _request(i, model, gen, 24)
+        sched.add(seq, new)
+        seqs.append(seq)
+    while sched.has_work():
+        out = sched.schedule()
+        for c in out.chunks:
+            seq = next(s for s in seqs if s.seq_id == c.seq_id)
+            end = c.start + c.num_tokens
+            if model.bidirectional_images:
+                assert not any(s.start < end < s.end for s in seq.spans), "a chunk cut an image"
+        sched.update(out, runner.execute(out))
+    return {s.seq_id: s.token_ids[s.num_prompt_tokens :] for s in seqs}, sched.num_preemptions
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_text_is_the_same_after_preemptions(variant: str) -> None:
+    """Plenty of blocks against too few for all four at once: preempted requests recompute
+    (positions, images seen both ways, windows) and generate the same ids."""
+    model = TinyModel(*VARIANTS[variant])
+    roomy, none = _generate(model, 60, seed=1)
+    assert none == 0
+    tight, preempted = _generate(model, 9, seed=1)
+    assert preempted > 0
+    assert tight == roomy
+
+
+def test_no_chunk_ends_inside_an_image_the_model_sees_both_ways() -> None:
+    """A 50-token image does not fit the 32-token chunk budget: its chunk runs over the budget
+    rather than cut it; a causal model's chunks do cut images (the check means something)."""
+    spans = ((10, 30), (40, 90))
+    ends = {}
+    for whole in (True, False):
+        sched = Scheduler(
+            SchedulerConfig(max_batch_tokens=32, max_prefill_chunk=32), 64, {0}, 16, whole
+        )
+        params = SamplingParams(max_new_tokens=2)
+        images = tuple(ImageSpan(a, b, b"k") for a, b in spans)
+        sched.add(
+            Sequence(0, "t", b"", [1] * 100, 100, images, params, 0.0),
+            NewRequestData(0, (1,) * 100, (), params, 0, None),
+        )
+        ends[whole] = []
+        while sched.has_work():
+            out = sched.schedule()
+            ends[whole] += [c.start + c.num_tokens for c in out.chunks]
+            sched.update(out, RunnerOutput({c.seq_id: 5 for c in out.chunks if c.sample}))
+    assert ends[True][:3] == [32, 96, 100]  # 64 would cut (40, 90): over budget to 96
+    assert not any(a < e < b for e in ends[True] for a, b in spans)
+    assert any(a < e < b for e in ends[False] for a, b in spans)
+
+
+def test_an_all_sliding_model_frees_the_blocks_behind_its_window() -> None:
+    """Window 20: once a sequence is at index i, the blocks wholly before i - 19 return to the
+    pool (their entries stand as NULL_BLOCK) and a long generation holds a bounded table."""
+    cfg = SchedulerConfig(max_batch_tokens=64, max_prefill_chunk=64)
+    sched = Scheduler(cfg, 16, {0}, 16, sliding_window=20)
+    params = SamplingParams(max_new_tokens=120, min_new_tokens=120)
+    sched.add(
+        Sequence(0, "t", b"", [1] * 40, 40, (), params, 0.0),
+        NewRequestData(0, (1,) * 40, (), params, 0, None),
+    )
+    held = []
+    while sched.has_work():
+        out = sched.schedule()
+        sched.update(out, RunnerOutput({0: 5}))
+        table = sched.kv.tables.get(0, [])
+        held.append(sum(b is not NULL_BLOCK for b in table))
+    assert len(held) == 121 and max(held) <= 3  # 160 tokens would take 10 blocks
+    assert sched.kv.num_free_blocks == 16
+
+
+def test_compressed_tokens_keep_their_original_positions() -> None:
+    """An image of 3 x 4 tokens of which compression kept 0, 5 and 11: the kept tokens get the
+    (t, h, w) they had uncompressed, and the text after it (and every generated token) the
+    positions it had after the whole image."""
+    model = TinyModel((None,), True, False)
+    full = [1, 1] + [IMAGE] * 12 + [1, 1]
+    want, delta = model.prompt_positions(full, [(1, 3, 4)])
+    assert want is not None
+    ids = [1, 1] + [IMAGE] * 3 + [1, 1]
+    kept = Kept(12, np.array([0, 5, 11]))
+    new = NewRequestData(
+        0, tuple(ids), (), SamplingParams(1), 0, None, ((1, 3, 4),), ((2, 5),), (kept,)
+    )
+    got, got_delta = prompt_positions(model, new)  # type: ignore[arg-type]
+    assert got is not None
+    assert got.tolist() == want[:, [0, 1, 2, 7, 13, 14, 15]].tolist()
+    assert got[:, 2:5].tolist() == [[2, 2, 2], [2, 3, 4], [2, 3, 5]]
+    assert len(ids) + got_delta == len(full) + delta  # the first generated token's position
+    plain = TinyModel((None,), False, False)  # 1-D rope: contiguous, as before
+    assert prompt_positions(plain, new) == (None, 0)  # type: ignore[arg-type]
