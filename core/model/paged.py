@@ -1,9 +1,16 @@
-"""One forward step over many sequences with a paged KV cache.
+"""One forward step over many sequences with a paged KV cache, for any model family.
 
 The new tokens of every sequence in the step (decodes and prefill chunks alike) run together
-through every linear layer. What the step indexes with (positions, the slots the new keys go to,
-the keys each query sees, the rows to sample from) is built once per step by `step_metadata` and
-copied to the model's device in one transfer.
+through every linear layer. What the step indexes with (rope positions, the slots the new keys go
+to, the keys each query sees, the rows to sample from) is built once per step by `step_metadata`
+and copied to the model's device in one transfer. The model's layers do their own norms,
+projections and rotary (`forward_paged`); this module caches their keys and masks attention.
+
+A token has a sequence index (start + i: its KV slot, and what masks compare) and a rope position
+(the index for 1-D rope; a chunk may bring its own, e.g. (t, h, w) rows for multimodal rope). A
+query at index i sees keys j <= i, within its layer's sliding window (j > i - window), and, for a
+model that sees images both ways, every key of the image it sits in; no chunk may end inside
+such an image (the scheduler keeps to that), so all of its keys exist when its queries run.
 
 Two modes. Fast (`batch_invariant=False`): linear layers run unpadded in one call, and attention
 is packed: the rows of queries (each a decode, a prefill chunk, or a `TILE`-query tile of one,
