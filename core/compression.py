@@ -33,6 +33,14 @@ class Step:
 
 
 @dataclass(frozen=True, slots=True)
+class Kept:
+    """Which of an item's visual tokens its compressed features stand for."""
+
+    num_tokens: int  # the item's tokens before compression
+    indices: np.ndarray  # int64, increasing: the original index of each kept (or merged) token
+
+
+@dataclass(frozen=True, slots=True)
 class Profile:
     name: str  # the name requests use
     steps: tuple[Step, ...]  # applied in order
@@ -74,27 +82,46 @@ def compress_item(
     features: np.ndarray, importance: np.ndarray, num_tiles: int, chosen: Profile, seed: int = 0
 ) -> np.ndarray:
     """(tiles * tokens, hidden) features -> compressed (tokens', hidden), tile by tile."""
+    return compress_item_kept(features, importance, num_tiles, chosen, seed)[0]
+
+
+def compress_item_kept(
+    features: np.ndarray, importance: np.ndarray, num_tiles: int, chosen: Profile, seed: int = 0
+) -> tuple[np.ndarray, Kept | None]:
+    """`compress_item`, and which original token each output row stands for (a merged row: the
+    token it was merged into; a pooled one: its window's first); None when nothing changed."""
     if not chosen.steps:
-        return features
+        return features, None
     tokens = features.shape[0] // num_tiles
-    out = []
+    out, kept = [], []
     for t in range(num_tiles):
         feats = features[t * tokens : (t + 1) * tokens].astype(np.float32)
         scores = importance[t * tokens : (t + 1) * tokens].astype(np.float32)
+        index = np.arange(tokens)
         for step in chosen.steps:
             target = tile_target(tokens, step)
-            feats, scores = apply(step.method, feats, scores, target, seed + t)
+            feats, scores, rows = _apply(step.method, feats, scores, target, seed + t)
+            index = index[rows]
         out.append(feats.astype(features.dtype, copy=False))
-    return np.concatenate(out)
+        kept.append(index + t * tokens)
+    return np.concatenate(out), Kept(features.shape[0], np.concatenate(kept))
 
 
 def apply(
     method: str, feats: np.ndarray, scores: np.ndarray, target: int, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """One method on one tile; returns (features, their importance) with `target` rows or fewer."""
+    feats, scores, _ = _apply(method, feats, scores, target, seed)
+    return feats, scores
+
+
+def _apply(
+    method: str, feats: np.ndarray, scores: np.ndarray, target: int, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`apply`, plus the input row each output row stands for (increasing)."""
     n = feats.shape[0]
     if target >= n:
-        return feats, scores
+        return feats, scores, np.arange(n)
     if method == "merge":
         return _merge(feats, scores, target)
     if method == "pool":
@@ -107,7 +134,7 @@ def apply(
     else:
         keep = np.argsort(-_score(method, feats, scores), kind="stable")[:target]
     keep = np.sort(keep)
-    return feats[keep], scores[keep]
+    return feats[keep], scores[keep], keep
 
 
 def _score(method: str, feats: np.ndarray, scores: np.ndarray) -> np.ndarray:
@@ -137,8 +164,11 @@ def _entropy(feats: np.ndarray) -> np.ndarray:
     return entropy
 
 
-def _merge(feats: np.ndarray, scores: np.ndarray, target: int) -> tuple[np.ndarray, np.ndarray]:
+def _merge(
+    feats: np.ndarray, scores: np.ndarray, target: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     size = np.ones(len(feats), dtype=np.float32)
+    index = np.arange(len(feats))
     while len(feats) > target:
         a, b = np.arange(0, len(feats), 2), np.arange(1, len(feats), 2)
         unit = feats / (np.linalg.norm(feats, axis=1, keepdims=True) + 1e-6)
@@ -155,15 +185,17 @@ def _merge(feats: np.ndarray, scores: np.ndarray, target: int) -> tuple[np.ndarr
             size[dst] = total
         keep = np.setdiff1d(np.arange(len(feats)), a[merged_a])
         feats, scores, size = feats[keep], scores[keep], size[keep]  # raster order kept
-    return feats, scores
+        index = index[keep]
+    return feats, scores, index
 
 
-def _pool(feats: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _pool(feats: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     side = round(len(feats) ** 0.5)
     if side * side != len(feats) or side < 2:
-        return feats, scores  # not a square patch grid (a class token kept): leave it
+        return feats, scores, np.arange(len(feats))  # not a square grid (a class token): leave it
     half = side // 2
     grid = feats[: side * side].reshape(side, side, -1)[: half * 2, : half * 2]
     pooled = grid.reshape(half, 2, half, 2, -1).mean(axis=(1, 3)).reshape(half * half, -1)
     s = scores.reshape(side, side)[: half * 2, : half * 2].reshape(half, 2, half, 2).sum((1, 3))
-    return pooled, s.reshape(-1)
+    corner = (np.arange(half)[:, None] * 2 * side + np.arange(half)[None, :] * 2).reshape(-1)
+    return pooled, s.reshape(-1), corner

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -34,11 +35,15 @@ import numpy as np
 import torch
 
 from core import encoders, metrics
+from core.compression import Kept
 from core.config import SchedulerConfig
 from core.device import kv_cache_bytes, resolve
 from core.generate import TextStream, token_logprobs
 from core.input_processor import Admitted, InputProcessor
-from core.model import llava, paged
+from core.model import paged
+from core.model.config import ModelConfigError
+from core.model.family import VisionLanguageModel, load_model, sliding_windows
+from core.model.llava import Llava
 from core.model.preprocessing import rule_for
 from core.model.tokenizer import ChatTokenizer
 from core.outputs import EngineOutput, NewRequestData, RunnerOutput, SchedulerOutput
@@ -58,6 +63,22 @@ _FAILURES = {
     Reason.CORE_UNAVAILABLE: "the core is shutting down",
     Reason.INVALID_REQUEST: "response_format exceeded the grammar limits while generating",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class VisualItem:
+    """What the model's rope positions need of an item besides its features."""
+
+    grid: tuple[int, int, int] = (1, 1, 1)  # (t, h, w) in merged-token units
+    kept: Kept | None = None  # the tokens compression kept; None = every one
+
+
+def tiled(model: VisionLanguageModel) -> Llava:
+    """The model, as the tiled encoder backends and `CoreInfo`'s geometry take it (LLaVA's
+    today; other families bring their own)."""
+    if not isinstance(model, Llava):
+        raise ModelConfigError(f"{type(model).__name__}: no vision encoder backend serves it yet")
+    return model
 
 
 class _Inbox:
@@ -110,8 +131,8 @@ class Engine:
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.device, self.dtype = resolve(device, dtype)
-        self.model = llava.load(model_dir, self.device, self.dtype)
-        cfg = self.model.cfg
+        self.model: VisionLanguageModel = load_model(model_dir, self.device, self.dtype)
+        cfg = tiled(self.model).cfg
         self.tokenizer = ChatTokenizer(model_dir, cfg.image_token_id)
         eos = self.tokenizer.tok.token_to_id(self.tokenizer.eos_token)
         self.eos_ids = set(cfg.text.eos_token_id) | ({eos} if eos is not None else set())
@@ -135,7 +156,7 @@ class Engine:
         self._thread.start()
         folder = artifacts or model_dir / ".visor"
         self.encoder = encoders.build(
-            encoder, self.model, folder.expanduser(), num_threads, self.device, self.dtype
+            encoder, tiled(self.model), folder.expanduser(), num_threads, self.device, self.dtype
         )
 
     def _build(self, sc: SchedulerConfig, gpu_memory_fraction: float) -> None:
@@ -162,7 +183,16 @@ class Engine:
         self.inputs = InputProcessor(
             self.tokenizer, self.info, sc, max_request_tokens, self.grammars
         )
-        self.scheduler = Scheduler(sc, num_blocks, self.eos_ids, paged.TILE)
+        windows = sliding_windows(self.model)
+        self.scheduler = Scheduler(
+            sc,
+            num_blocks,
+            self.eos_ids,
+            paged.TILE,
+            whole_images=self.model.bidirectional_images,
+            # Blocks leave a sequence's table behind the window only when no layer is global.
+            sliding_window=None if None in windows else max(w for w in windows if w is not None),
+        )
         self.kv_manager = self.scheduler.kv
         self.runner = ModelRunner(
             self.model, num_blocks, sc.block_size, self.eos_ids, self.batch_invariant
@@ -190,21 +220,25 @@ class Engine:
         timings: dict[str, float],
         visual_before: int | None = None,
         content_keys: list[bytes] | None = None,
+        visual: list[VisualItem] | None = None,
     ) -> AsyncGenerator[Delta | Result, None]:
         """Streams deltas, then one Result. Closing the iterator early cancels the generation.
 
         `request` comes from `inputs.admit`; an `InferRequest` is admitted here, its visual
         tokens counted from `features` (in-process callers). `content_keys` name each item's
         features (for prefix reuse); by default they are hashes of the features themselves.
-        Prefix reuse is salted by the tenant."""
-        return self._generate(request, features, timings, visual_before, content_keys, None)
+        Prefix reuse is salted by the tenant. `visual`: per item its grid and the tokens
+        compression kept, for the model's rope positions (default: a (1, 1, 1) grid, none
+        dropped)."""
+        items = visual or [VisualItem() for _ in features]
+        return self._generate(request, features, timings, visual_before, content_keys, None, items)
 
     def generate_ids(
         self, ids: list[int], params: SamplingParams, tenant: str = "bench"
     ) -> AsyncGenerator[Delta | Result, None]:
         """`generate` for a text-only prompt given as token ids (benchmarks, evaluation)."""
         req = InferRequest(tenant, f"ids-{len(ids)}", (), params, (), "none")
-        return self._generate(req, [], {}, None, None, ids)
+        return self._generate(req, [], {}, None, None, ids, [])
 
     async def _generate(
         self,
@@ -214,6 +248,7 @@ class Engine:
         visual_before: int | None,
         content_keys: list[bytes] | None,
         prompt_ids: list[int] | None,
+        items: list[VisualItem],
     ) -> AsyncGenerator[Delta | Result, None]:
         """Submits the request, then is its output processor (event-loop side, as in vLLM v1):
         turns the model thread's token ids into text deltas, and ends the request at a stop
@@ -223,7 +258,7 @@ class Engine:
             request = await self.inputs.admit(request, visual, prompt_ids)
         with request:
             events: asyncio.Queue[Event] = asyncio.Queue()
-            seq = self._submit(request, features, content_keys, _sink(events))
+            seq = self._submit(request, features, content_keys, items, _sink(events))
             params = request.req.params
             stream = TextStream(self.tokenizer.detokenizer(), params.stop)
             num_tokens, end = 0, None
@@ -259,6 +294,7 @@ class Engine:
         admitted: Admitted,
         features: list[np.ndarray],
         content_keys: list[bytes] | None,
+        items: list[VisualItem],
         sink: Callable[[Event], None],
     ) -> Sequence:
         """Hands a new request to the model thread."""
@@ -276,7 +312,15 @@ class Engine:
             arrival=time.perf_counter(),
         )
         inputs = NewRequestData(
-            seq.seq_id, tuple(ids), tuple(features), req.params, admitted.seed, admitted.grammar
+            seq.seq_id,
+            tuple(ids),
+            tuple(features),
+            req.params,
+            admitted.seed,
+            admitted.grammar,
+            tuple(item.grid for item in items),
+            tuple((span.start, span.end) for span in spans),
+            tuple(item.kept for item in items),
         )
         self._inbox.put(lambda: self._add(seq, inputs, sink, admitted))
         metrics.ACTIVE_GENERATIONS.inc()

@@ -20,6 +20,11 @@ class Block:
     block_hash: bytes | None = None  # set once the block is full and registered
 
 
+# Stands in a block table for a block freed behind a sliding window: its keys are masked out, so
+# any block's contents may be read there (block 0's); never in the pool.
+NULL_BLOCK = Block(0, ref_count=-1)
+
+
 @dataclass(frozen=True, slots=True)
 class ImageSpan:
     start: int  # first prompt position of the image's tokens
@@ -143,14 +148,31 @@ class KVCacheManager:
     def free(self, seq_id: int) -> None:
         """Returns the sequence's blocks; the last ones go first so a prefix outlives its tail."""
         for block in reversed(self.tables.pop(seq_id, [])):
-            self.pool.release(block)
+            if block is not NULL_BLOCK:
+                self.pool.release(block)
+
+    def free_behind(self, seq_id: int, num_computed: int, window: int) -> int:
+        """For a model whose every layer attends `window` keys back (itself included): returns
+        the blocks no later query of the sequence can see (every index < num_computed - window
+        + 1) to the pool, their table entries becoming `NULL_BLOCK` so that indices keep their
+        places. A hashed block stays findable until the pool needs it. Returns how many."""
+        table = self.tables[seq_id]
+        dead = min(len(table), max(0, num_computed - window + 1) // self.block_size)
+        freed = 0
+        for i in range(dead):
+            if table[i] is not NULL_BLOCK:
+                self.pool.release(table[i])
+                table[i] = NULL_BLOCK
+                freed += 1
+        return freed
 
     def register_full_blocks(self, seq_id: int, hashes: list[bytes]) -> None:
         """Makes the sequence's first len(hashes) blocks findable by their hashes."""
         if not self.enable_prefix_caching:
             return
         for block, block_hash in zip(self.tables[seq_id], hashes, strict=False):
-            self.pool.register(block, block_hash)
+            if block is not NULL_BLOCK:
+                self.pool.register(block, block_hash)
 
     def count_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_prompt_tokens

@@ -23,6 +23,7 @@ from shared.errors import Reason
 if TYPE_CHECKING:  # the scheduler passes these along untouched: it never imports torch
     import numpy as np
 
+    from core.compression import Kept
     from core.structured import Grammar
 
 
@@ -36,6 +37,13 @@ class NewRequestData:
     params: SamplingParams  # generation controls
     seed: int  # seeds the request's sampling generator
     grammar: Grammar | None  # compiled response format (shared, read-only); None = free text
+    grids: tuple[tuple[int, int, int], ...] = ()  # per item (t, h, w) in merged-token units, for
+    # the model's rope positions ((1, 1, 1) per item of a tiled encoder)
+    spans: tuple[
+        tuple[int, int], ...
+    ] = ()  # per item, the [start, end) of its tokens in the prompt
+    kept: tuple[Kept | None, ...] = ()  # per item, which of its uncompressed tokens the features
+    # kept (their rope positions stay theirs); None = every one, in order
 
 
 @dataclass(frozen=True, slots=True)

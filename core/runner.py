@@ -21,10 +21,11 @@ import llguidance
 import numpy as np
 import torch
 
+from core.compression import Kept
 from core.device import upload
 from core.generate import SampledRow, Sampler, SampleRow, check_params, noise_key
 from core.model import paged
-from core.model.llava import Llava
+from core.model.family import VisionLanguageModel
 from core.outputs import NewRequestData, RunnerOutput, ScheduledChunk, SchedulerOutput
 from core.sequence import SampleLogprobs
 from core.structured import MaskedRow, TokenMasks
@@ -40,6 +41,10 @@ class _RequestState:
     prompt_embeds: torch.Tensor  # (num_prompt_tokens, hidden) on the device, images in place
     token_ids: list[int]  # the prompt, then every token sampled for it
     num_prompt_tokens: int  # prompt length
+    positions: torch.Tensor | None  # host, (n,) or (3, n): the prompt's rope positions; None =
+    # its indices
+    delta: int  # a generated token's rope position minus its index
+    spans: tuple[tuple[int, int], ...]  # images its model sees both ways; () when causal
     params: SamplingParams  # generation controls
     seed: int  # keys its sampling noise (with the number of tokens it has generated)
     matcher: llguidance.LLMatcher | None  # where it is in its grammar; None = free text
@@ -55,7 +60,7 @@ class _Sampled:
 class ModelRunner:
     def __init__(
         self,
-        model: Llava,
+        model: VisionLanguageModel,
         num_blocks: int,
         block_size: int,
         eos_ids: set[int],
@@ -118,10 +123,14 @@ class ModelRunner:
         check_params(new.params)
         image = torch.from_numpy(np.concatenate(new.features)) if new.features else None
         ids = list(new.prompt_token_ids)
+        positions, delta = prompt_positions(self.model, new)
         return _RequestState(
             prompt_embeds=self.model.embed(ids, image),
             token_ids=ids,
             num_prompt_tokens=len(ids),
+            positions=positions,
+            delta=delta,
+            spans=new.spans if self.model.bidirectional_images else (),
             params=new.params,
             seed=new.seed,
             matcher=None if new.grammar is None else new.grammar.matcher(),
@@ -150,7 +159,10 @@ class ModelRunner:
         for c in chunks:
             state = self._requests[c.seq_id]
             table = torch.tensor(c.block_ids)
-            seq_chunks.append(paged.SeqChunk(c.start, c.num_tokens, table, c.sample))
+            positions = _chunk_positions(state, c.start, c.start + c.num_tokens)
+            seq_chunks.append(
+                paged.SeqChunk(c.start, c.num_tokens, table, c.sample, positions, state.spans)
+            )
             end, prompt = c.start + c.num_tokens, state.num_prompt_tokens
             # narrow, not [a:b]: slicing cannot run on the fake CUDA tensors of the device test.
             if c.start < prompt:
@@ -204,3 +216,65 @@ class ModelRunner:
             raise ValueError("a sampled token outside its grammar's mask")
         state.token_ids.append(token)
         return _Sampled(token, got.logprobs, matcher is not None and matcher.is_stopped())
+
+
+def prompt_positions(
+    model: VisionLanguageModel, new: NewRequestData
+) -> tuple[torch.Tensor | None, int]:
+    """The prompt's rope positions (host) and the delta of its generated tokens. Where the
+    features of an item dropped or merged tokens, positions come from the uncompressed prompt:
+    each kept token keeps the position it had there (for families whose positions are not the
+    indices; 1-D rope families stay contiguous)."""
+    ids = list(new.prompt_token_ids)
+    if all(k is None for k in new.kept):
+        positions, delta = model.prompt_positions(ids, list(new.grids))
+        return (None if positions is None else positions.cpu()), delta
+    full, columns = _uncompressed(ids, new.spans, new.kept)
+    positions, delta = model.prompt_positions(full, list(new.grids))
+    if positions is None:
+        return None, 0
+    kept = positions.cpu().index_select(-1, torch.tensor(columns))
+    return kept, delta + len(full) - len(ids)
+
+
+def _uncompressed(
+    ids: list[int], spans: tuple[tuple[int, int], ...], kept: tuple[Kept | None, ...]
+) -> tuple[list[int], list[int]]:
+    """The prompt with each compressed item back at its full length, and where each token of
+    `ids` sits in it."""
+    full: list[int] = []
+    columns: list[int] = []
+    done = 0
+    for (start, end), k in zip(spans, kept, strict=True):
+        columns += range(len(full), len(full) + start - done)
+        full += ids[done:start]
+        if k is None:
+            columns += range(len(full), len(full) + end - start)
+            full += ids[start:end]
+        else:
+            columns += (len(full) + k.indices).tolist()
+            full += [ids[start]] * k.num_tokens
+        done = end
+    columns += range(len(full), len(full) + len(ids) - done)
+    full += ids[done:]
+    return full, columns
+
+
+def _chunk_positions(state: _RequestState, start: int, end: int) -> torch.Tensor | None:
+    """The rope positions of indices start..end-1 of a request, on the host; None when they are
+    the indices themselves."""
+    if state.positions is None and not state.delta:
+        return None
+    prompt, parts = state.num_prompt_tokens, []
+    if start < prompt:
+        stop = min(end, prompt)
+        if state.positions is None:
+            parts.append(torch.arange(start, stop))
+        else:
+            parts.append(state.positions[..., start:stop])
+    if end > prompt:
+        generated = torch.arange(max(start, prompt), end) + state.delta
+        if state.positions is not None and state.positions.dim() == 2:
+            generated = generated.expand(state.positions.shape[0], -1)
+        parts.append(generated)
+    return torch.cat(parts, dim=-1)

@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from core.config import Policy, SchedulerConfig
-from core.kv_cache import Block, KVCacheManager
+from core.kv_cache import Block, ImageSpan, KVCacheManager
 from core.outputs import (
     EngineOutput,
     NewRequestData,
@@ -55,9 +55,20 @@ class _Plan:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, num_blocks: int, eos_ids: Iterable[int], tile: int
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        eos_ids: Iterable[int],
+        tile: int,
+        whole_images: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
-        """`tile`: prefill chunks end on multiples of it (the runner's batch-invariant tile)."""
+        """`tile`: prefill chunks end on multiples of it (the runner's batch-invariant tile).
+        `whole_images`: the model sees an image's tokens both ways, so no prefill chunk ends
+        inside one (a chunk may start inside one: a prefix hit whose cached keys saw the whole
+        image). `sliding_window`: every layer of the model attends that far back only, so a
+        sequence's blocks behind it go back to the pool (None: some layer is global)."""
+        self.whole_images, self.sliding_window = whole_images, sliding_window
         self.policy = Policy(config.policy)
         self.token_budget = self.policy is Policy.TOKEN_BUDGET  # the baselines stay FIFO
         self.kv = KVCacheManager(num_blocks, config.block_size, config.prefix_caching)
@@ -136,6 +147,8 @@ class Scheduler:
             seq.num_computed_tokens += chunk.num_tokens
             full = seq.num_computed_tokens // size
             self.kv.register_full_blocks(seq.seq_id, seq.hashes_upto(full, size))
+            if self.sliding_window is not None:
+                self.kv.free_behind(seq.seq_id, seq.num_computed_tokens, self.sliding_window)
             if chunk.sample:
                 outputs.append(self._append(seq, result.sampled[seq.seq_id], result))
         return outputs
@@ -204,7 +217,21 @@ class Scheduler:
             return remaining
         if not self.chunked_prefill:
             return 0
-        return max(0, (computed + budget) // self.tile * self.tile - computed)
+        n = max(0, (computed + budget) // self.tile * self.tile - computed)
+        return self._whole_images(seq, computed, computed + n) - computed if n else 0
+
+    def _whole_images(self, seq: Sequence, computed: int, end: int) -> int:
+        """A prefill chunk's end moved off any image the model sees both ways: back to the
+        tile boundary before the image, or past its end (over the step's budget) when that
+        would leave nothing to run."""
+        if not self.whole_images:
+            return end
+        while (span := _inside(seq, end)) is not None:
+            back = span.start // self.tile * self.tile
+            if back > computed and _inside(seq, back) is None:
+                return back
+            end = min(seq.num_prompt_tokens, -(-span.end // self.tile) * self.tile)
+        return end
 
     def _prefill_order(self, seq: Sequence) -> tuple[int, int]:
         """Earliest deadline first; a prompt's deadline is its arrival plus its length, both on
@@ -261,7 +288,7 @@ class Scheduler:
         self._preempted.appendleft(victim)
 
     def _admit(self, plan: _Plan) -> None:
-        while self.num_waiting and len(self.running) < self.max_num_seqs and plan.token_budget:
+        while self.num_waiting and len(self.running) < self.max_num_seqs and plan.token_budget > 0:
             seq = self._peek()
             if self._yields(seq, plan):
                 return
@@ -312,3 +339,8 @@ class Scheduler:
         if not self._waiting[tenant]:
             del self._waiting[tenant]
             self._turns.remove(tenant)
+
+
+def _inside(seq: Sequence, index: int) -> ImageSpan | None:
+    """The image of `seq` that a chunk ending at `index` would cut, if any."""
+    return next((s for s in seq.spans if s.start < index < s.end), None)

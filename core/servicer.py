@@ -13,7 +13,7 @@ import numpy as np
 
 from core import compression, metrics
 from core.cache import Entry
-from core.engine import Engine
+from core.engine import Engine, VisualItem
 from core.features import FeatureService
 from core.input_processor import Admitted
 from core.model.tokenizer import ChatTurn
@@ -152,15 +152,19 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
                 self.features.store(keys[i], entry, req.cache)
         full = [e for e in entries if e is not None]
         features = [e.features for e in full]
+        visual = None  # every item's tokens, uncompressed
         if chosen.steps and full:
             t0 = time.perf_counter()
-            features = await self.engine.run(_compress_all, req, full, chosen)
+            compressed = await self.engine.run(_compress_all, req, full, chosen)
+            features = [f for f, _ in compressed]
+            visual = [VisualItem(kept=kept) for _, kept in compressed]
             timings["compress"] = (time.perf_counter() - t0) * 1000
         before = sum(e.features.shape[0] for e in full)
         # Prefix reuse names each item's tokens by its feature-cache key and the profile that
         # shaped them; the engine salts block hashes with the tenant as well.
         content = [k.encode() + b"\x1f" + chosen.name.encode() for k in keys]
-        async for out in self.engine.generate(admitted, features, timings, before, content):
+        stream = self.engine.generate(admitted, features, timings, before, content, visual)
+        async for out in stream:
             if isinstance(out, Delta):
                 yield core_pb2.CoreEvent(delta=_delta(out))
             else:
@@ -199,10 +203,10 @@ def _note_result(r: Result) -> None:
 
 def _compress_all(
     req: InferRequest, entries: list[Entry], chosen: compression.Profile
-) -> list[np.ndarray]:
+) -> list[tuple[np.ndarray, compression.Kept | None]]:
     seed = int.from_bytes(req.request_id.encode()[:8].ljust(8, b"\0"))
     return [
-        compression.compress_item(e.features, e.importance, item.shape[0], chosen, seed)
+        compression.compress_item_kept(e.features, e.importance, item.shape[0], chosen, seed)
         for e, item in zip(entries, req.items, strict=True)
     ]
 

@@ -27,8 +27,13 @@ def _core(args: argparse.Namespace) -> int:
     keys = _deployment_keys(data, env)
     logs.configure("core", _log_level(data, env), keys.log_key)
     from core import server
+    from core.model.config import ModelConfigError
 
-    asyncio.run(server.run(cfg, cache, sched, keys.core_token))
+    try:
+        asyncio.run(server.run(cfg, cache, sched, keys.core_token))
+    except ModelConfigError as exc:  # a checkpoint this core cannot serve: one line, no trace
+        logs.get("core").error("model_unsupported", config_error=str(exc))
+        return 2
     return 0
 
 

@@ -8,9 +8,9 @@ since `bidirectional_images` is set)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,11 +23,12 @@ from core.model.text import _rotate
 from core.model.vision import VisionTower
 from core.model.weights import check_state, encoder_digest, fuse, read_state
 
+if TYPE_CHECKING:
+    from core.model.family import Attend, Linear
+
 __all__ = ["MODEL_TYPES", "Gemma3", "GemmaImageLayout", "load"]
 
 CPU = torch.device("cpu")
-Linear = Callable[[nn.Linear, torch.Tensor], torch.Tensor]
-Attend = Callable[..., torch.Tensor]  # (q, k, v, scale=None) -> (tokens, heads * dim)
 
 
 class RMSNorm(nn.Module):

@@ -25,6 +25,7 @@ _PREFIXES = (
 )
 _IGNORED_SUFFIXES = ("position_ids", "rotary_emb.inv_freq")
 CPU = torch.device("cpu")
+MODEL_TYPES = ("llava",)  # config.json `model_type` values this family serves
 
 
 class Projector(nn.Module):
@@ -62,6 +63,7 @@ def encode_with_importance(
 class Llava(nn.Module):
     pixel_scale: torch.Tensor
     pixel_shift: torch.Tensor
+    bidirectional_images = False  # causal attention over image tokens too
 
     def __init__(self, cfg: LlavaConfig) -> None:
         super().__init__()
@@ -103,6 +105,16 @@ class Llava(nn.Module):
         return embed_with_images(
             self.language_model.embed_tokens, self.cfg.image_token_id, token_ids, image_features
         )
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of the step's (tokens,) positions, for every layer."""
+        return self.language_model.rotary(positions)
+
+    def prompt_positions(
+        self, ids: list[int], grids: list[tuple[int, int, int]]
+    ) -> tuple[torch.Tensor | None, int]:
+        """1-D rope: a token's position is its index in the sequence."""
+        return None, 0
 
     def forward_tokens(self, embeds: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits of the last position after running `embeds` through the decoder."""

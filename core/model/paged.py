@@ -1,9 +1,16 @@
-"""One forward step over many sequences with a paged KV cache.
+"""One forward step over many sequences with a paged KV cache, for any model family.
 
 The new tokens of every sequence in the step (decodes and prefill chunks alike) run together
-through every linear layer. What the step indexes with (positions, the slots the new keys go to,
-the keys each query sees, the rows to sample from) is built once per step by `step_metadata` and
-copied to the model's device in one transfer.
+through every linear layer. What the step indexes with (rope positions, the slots the new keys go
+to, the keys each query sees, the rows to sample from) is built once per step by `step_metadata`
+and copied to the model's device in one transfer. The model's layers do their own norms,
+projections and rotary (`forward_paged`); this module caches their keys and masks attention.
+
+A token has a sequence index (start + i: its KV slot, and what masks compare) and a rope position
+(the index for 1-D rope; a chunk may bring its own, e.g. (t, h, w) rows for multimodal rope). A
+query at index i sees keys j <= i, within its layer's sliding window (j > i - window), and, for a
+model that sees images both ways, every key of the image it sits in; no chunk may end inside
+such an image (the scheduler keeps to that), so all of its keys exist when its queries run.
 
 Two modes. Fast (`batch_invariant=False`): linear layers run unpadded in one call, and attention
 is packed: the rows of queries (each a decode, a prefill chunk, or a `TILE`-query tile of one,
@@ -27,36 +34,41 @@ scheduler keeps prefill chunks on `TILE` boundaries for this.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.model.llava import Llava
-from core.model.text import Attention, DecoderLayer, _rotate
+from core.model.family import Attend, VisionLanguageModel, paged_layers, sliding_windows
 
 TILE = 16  # rows per GEMM call and queries per attention row
+Spans = tuple[tuple[int, int], ...]  # sequence-index [start, end) of each image
 
 
 @dataclass(frozen=True, slots=True)
 class SeqChunk:
-    """One sequence's share of a step."""
+    """One sequence's share of a step. Its tokens sit at sequence indices start..start+n-1: the
+    KV slots and the masks use those; only rotary embeddings use `positions`."""
 
-    start: int  # tokens already in the cache (position of the first new token)
+    start: int  # tokens already in the cache (sequence index of the first new token)
     num_tokens: int  # new tokens run this step
-    blocks: torch.Tensor  # long: the blocks holding positions 0..start + num_tokens - 1, in order
+    blocks: torch.Tensor  # long: the blocks holding indices 0..start + num_tokens - 1, in order
     need_logits: bool  # the last new token is the sequence's newest: sample after it
+    positions: torch.Tensor | None = None  # (n,) or (3, n) rope positions; None = the indices
+    spans: Spans = ()  # the request's images, seen both ways (only for a bidirectional model)
 
 
 @dataclass(frozen=True, slots=True)
 class AttentionRows:
     """One batched SDPA call: each row is a run of one sequence's queries (padded to
-    `row_queries`) over the keys of its positions 0..`row_keys`-1 (padded, masked)."""
+    `row_queries`) over the keys of its indices 0..`row_keys`-1 (padded, masked)."""
 
     query_index: torch.Tensor  # (rows * row_queries,) new token feeding each query slot
     key_blocks: torch.Tensor  # (rows * row_keys / block_size,) block of each key (0 = padding)
-    mask: torch.Tensor  # (rows, 1, row_queries, row_keys) bool: the keys each query sees
+    masks: dict[int | None, torch.Tensor]  # per sliding window (None = global) of the step's
+    # layers, (rows, 1, row_queries, row_keys) bool: the keys each query sees
     num_rows: int  # rows in the call
     row_queries: int  # queries per row, padded
     row_keys: int  # keys per row: the call's longest row's blocks (block-granular gathers are
@@ -64,18 +76,28 @@ class AttentionRows:
 
 
 @dataclass(frozen=True, slots=True)
+class SequenceKeys:
+    """Batch-invariant mode: one chunk's queries and the blocks of its keys."""
+
+    start: int  # sequence index of its first new token
+    num_tokens: int  # new tokens
+    blocks: torch.Tensor  # the blocks of indices 0..end-1 (end: its last key, images included)
+    spans: Spans  # images seen both ways; () when the model is causal
+
+
+@dataclass(frozen=True, slots=True)
 class StepMetadata:
     """Everything a step's forward pass indexes with, on the model's device."""
 
-    positions: torch.Tensor  # (tokens,) absolute position of each new token
+    positions: torch.Tensor  # (tokens,) or (3, tokens) rope position of each new token
     slot_mapping: torch.Tensor  # (tokens,) flat KV slot (block * block_size + offset) it fills
     logits_indices: torch.Tensor  # (sampled,) new tokens whose logits are returned, in order
     # Fast mode: the packed attention calls (one-query rows, then the longer rows), and where
     # each token's output sits in their outputs, concatenated. Empty when batch-invariant.
     attention: tuple[AttentionRows, ...]
     output_index: torch.Tensor  # (tokens,)
-    # Batch-invariant mode: per chunk, (start, new tokens, blocks of positions 0..end-1).
-    sequences: tuple[tuple[int, int, torch.Tensor], ...]
+    # Batch-invariant mode: per chunk, its queries and keys.
+    sequences: tuple[SequenceKeys, ...]
 
 
 class PagedKV:
@@ -159,66 +181,140 @@ def _split_rows(chunks: list[SeqChunk]) -> list[torch.Tensor]:
 
 
 def _packed(
-    chunks: list[SeqChunk], tables: torch.Tensor, block_size: int, tokens: int
+    chunks: list[SeqChunk],
+    tables: torch.Tensor,
+    block_size: int,
+    tokens: int,
+    spans: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
     """Host tensors of the packed attention calls: per call its query index, key blocks and
-    query positions, then the output index; and per call (rows, row_queries, row_keys)."""
+    query indices (and with `spans`, each query's image bounds), then the output index; and per
+    call (rows, row_queries, row_keys). `spans`: (tokens,) lo and hi of the image holding each
+    new token ((0, 0) outside one), whose keys a row then gathers too."""
     parts, shapes, base = [], [], 0
     output_index = torch.empty(tokens, dtype=torch.long)
     for rows in _split_rows(chunks):
         row_chunk, row_start, row_len, row_offset = rows.unbind(1)
         row_queries, row_end = int(row_len.max()), int((row_start + row_len).max())
-        row_blocks = -(-row_end // block_size)
         i = torch.arange(row_queries)
         valid = i < row_len[:, None]
+        token = torch.where(valid, row_offset[:, None] + i, 0)  # padding reads token 0
+        bounds = []
+        if spans is not None:
+            bounds = [torch.where(valid, b[token], 0).flatten() for b in spans]
+            row_end = max(row_end, int(bounds[1].max()))
+        row_blocks = -(-row_end // block_size)
         query_slot = torch.arange(rows.shape[0])[:, None] * row_queries + i
-        output_index[(row_offset[:, None] + i)[valid]] = base + query_slot[valid]
+        output_index[token[valid]] = base + query_slot[valid]
         parts += [
-            torch.where(valid, row_offset[:, None] + i, 0).flatten(),  # padding reads token 0
+            token.flatten(),
             tables[row_chunk, :row_blocks].flatten(),
             # Padded queries see a few more keys than their row's; their outputs are dropped.
             (row_start[:, None] + i).flatten(),
+            *bounds,
         ]
         shapes.append((rows.shape[0], row_queries, row_blocks * block_size))
         base += rows.shape[0] * row_queries
     return [*parts, output_index], shapes
 
 
+def _positions(chunks: list[SeqChunk], index: torch.Tensor) -> torch.Tensor:
+    """The step's rope positions: each chunk's own, else its sequence indices; (3, tokens) as
+    soon as one chunk has multimodal positions (a text token's t, h and w are its index)."""
+    given = [c.positions for c in chunks]
+    if all(p is None for p in given):
+        return index
+    width = max((p.shape[0] for p in given if p is not None and p.dim() == 2), default=0)
+    parts = []
+    for c, p in zip(chunks, given, strict=True):
+        got = torch.arange(c.start, c.start + c.num_tokens) if p is None else p.long()
+        parts.append(got.expand(width, -1) if width and got.dim() == 1 else got)
+    return torch.cat(parts, dim=-1)
+
+
+def _token_spans(chunks: list[SeqChunk], ends: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens,) lo and hi of the image holding each new token ((0, 0) outside one). A chunk may
+    start inside an image (its first part cached), never end inside one: its later keys would
+    not exist yet."""
+    lo, hi = [], []
+    for c, end in zip(chunks, ends, strict=True):
+        index = torch.arange(c.start, end)
+        c_lo, c_hi = torch.zeros_like(index), torch.zeros_like(index)
+        for s, e in c.spans:
+            if s < end < e:
+                raise ValueError("a chunk ends inside an image its model sees both ways")
+            inside = (index >= s) & (index < e)
+            c_lo[inside], c_hi[inside] = s, e
+        lo.append(c_lo)
+        hi.append(c_hi)
+    return torch.cat(lo), torch.cat(hi)
+
+
+def _masks(
+    query_pos: torch.Tensor,
+    row_keys: int,
+    windows: Iterable[int | None],
+    bounds: list[torch.Tensor],
+) -> dict[int | None, torch.Tensor]:
+    """Per sliding window, the keys each (rows, 1, queries, 1) query index sees: causal, within
+    the window, or (with `bounds`) anywhere in its own image."""
+    k = torch.arange(row_keys, device=query_pos.device)
+    causal = k <= query_pos
+    both = None
+    if bounds:
+        lo, hi = (b.view(query_pos.shape) for b in bounds)
+        both = (k >= lo) & (k < hi)
+    masks = {}
+    for w in windows:
+        mask = causal if w is None else causal & (k > query_pos - w)
+        masks[w] = mask if both is None else mask | both
+    return masks
+
+
 def step_metadata(
-    chunks: list[SeqChunk], block_size: int, batch_invariant: bool, device: torch.device
+    chunks: list[SeqChunk],
+    block_size: int,
+    batch_invariant: bool,
+    device: torch.device,
+    windows: Iterable[int | None] = (None,),
 ) -> StepMetadata:
-    """The step's indexing tensors, built on the host and copied to `device` in one transfer."""
+    """The step's indexing tensors, built on the host and copied to `device` in one transfer.
+    `windows`: the sliding windows of the model's layers (None = a global layer)."""
     lengths = torch.tensor([c.num_tokens for c in chunks])
     ends = [c.start + c.num_tokens for c in chunks]
-    # Per chunk, the slot of each position 0..max(ends)-1 (padding blocks point at slot 0).
+    # Per chunk, the slot of each index 0..max(ends)-1 (padding blocks point at slot 0).
     num_blocks = -(-max(ends) // block_size)
     tables = torch.zeros(len(chunks), num_blocks, dtype=torch.long)
     for i, c in enumerate(chunks):
         used = c.blocks[:num_blocks]
         tables[i, : used.shape[0]] = used
     slots = (tables[:, :, None] * block_size + torch.arange(block_size)).view(len(chunks), -1)
-    positions = torch.cat([torch.arange(c.start, c.start + c.num_tokens) for c in chunks])
+    index = torch.cat([torch.arange(c.start, c.start + c.num_tokens) for c in chunks])
+    positions = _positions(chunks, index)
+    spans = _token_spans(chunks, ends) if any(c.spans for c in chunks) else None
     token_chunk = torch.repeat_interleave(torch.arange(len(chunks)), lengths)
     need = torch.tensor([c.need_logits for c in chunks], dtype=torch.bool)
-    parts = [positions, slots[token_chunk, positions], (torch.cumsum(lengths, 0) - 1)[need]]
+    parts = [positions.flatten(), slots[token_chunk, index], (torch.cumsum(lengths, 0) - 1)[need]]
     shapes: list[tuple[int, int, int]] = []
     if batch_invariant:
         extra = [tables[i, : -(-end // block_size)] for i, end in enumerate(ends)]
     else:
-        extra, shapes = _packed(chunks, tables, block_size, positions.shape[0])
+        extra, shapes = _packed(chunks, tables, block_size, index.shape[0], spans)
     sizes = [p.shape[0] for p in parts + extra]
     moved = torch.split(torch.cat(parts + extra).to(device), sizes)
-    positions, slot_mapping, logits_indices, *rest = moved
+    flat_positions, slot_mapping, logits_indices, *rest = moved
+    positions = flat_positions.view(positions.shape)
     if batch_invariant:
         sequences = tuple(
-            (c.start, c.num_tokens, keys) for c, keys in zip(chunks, rest, strict=True)
+            SequenceKeys(c.start, c.num_tokens, keys, c.spans)
+            for c, keys in zip(chunks, rest, strict=True)
         )
         return StepMetadata(positions, slot_mapping, logits_indices, (), rest[0][:0], sequences)
-    calls = []
+    calls, per_call, windows = [], 3 if spans is None else 5, tuple(windows)
     for g, (num_rows, row_queries, row_keys) in enumerate(shapes):
-        query_index, key_blocks, query_pos = rest[3 * g : 3 * g + 3]
-        mask = torch.arange(row_keys, device=device) <= query_pos.view(-1, 1, row_queries, 1)
-        calls.append(AttentionRows(query_index, key_blocks, mask, num_rows, row_queries, row_keys))
+        query_index, key_blocks, query_pos, *bounds = rest[per_call * g : per_call * (g + 1)]
+        masks = _masks(query_pos.view(-1, 1, row_queries, 1), row_keys, windows, bounds)
+        calls.append(AttentionRows(query_index, key_blocks, masks, num_rows, row_queries, row_keys))
     return StepMetadata(positions, slot_mapping, logits_indices, tuple(calls), rest[-1], ())
 
 
@@ -261,10 +357,18 @@ def linear(layer: nn.Linear, x: torch.Tensor, batch_invariant: bool = True) -> t
     return out[:rows]
 
 
-def attend(q: torch.Tensor, kv: PagedKV, layer: int, meta: StepMetadata) -> torch.Tensor:
-    """The step's attention: (heads, tokens, dim) queries -> (tokens, heads * dim)."""
+def attend(
+    q: torch.Tensor,
+    kv: PagedKV,
+    layer: int,
+    meta: StepMetadata,
+    window: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The step's attention: (heads, tokens, dim) queries -> (tokens, heads * dim), each query
+    over the keys its layer's `window` and the step's images let it see."""
     if meta.sequences:
-        return _attend_per_sequence(q, kv, layer, meta)
+        return _attend_per_sequence(q, kv, layer, meta, window, scale)
     heads, _, dim = q.shape
     kv_heads = kv.keys[layer].shape[0]
     group = heads // kv_heads
@@ -276,41 +380,64 @@ def attend(q: torch.Tensor, kv: PagedKV, layer: int, meta: StepMetadata) -> torc
         # than SDPA's enable_gqa on CPU).
         queries = q.index_select(1, call.query_index).view(kv_heads, group, rows, row_queries, dim)
         queries = queries.permute(2, 0, 1, 3, 4).reshape(rows, kv_heads, -1, dim)
-        mask = call.mask
+        mask = call.masks[window]
         if group > 1:
             mask = mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(rows, 1, -1, row_keys)
         keys, values = (
             store.index_select(1, call.key_blocks).view(-1, rows, row_keys, dim).transpose(0, 1)
             for store in (kv.keys[layer], kv.values[layer])
         )
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
         out = out.view(rows, heads, row_queries, dim).transpose(1, 2)
         outs.append(out.reshape(rows * row_queries, heads * dim))
     return torch.cat(outs).index_select(0, meta.output_index)
 
 
+def _tile_mask(
+    pos: int, end: int, window: int | None, spans: Spans, device: torch.device
+) -> torch.Tensor:
+    """The keys queries pos..end-1 see, over keys 0..(the tile's end, or the end of an image
+    one of them sits in)-1: a function of positions only, the same whatever the batch."""
+    key_end = max([end] + [e for s, e in spans if s < end and e > pos])
+    mask = torch.ones(end - pos, key_end, dtype=torch.bool, device=device).tril(pos)
+    if window is not None:
+        mask = mask.triu(pos - window + 1)
+    for s, e in spans:
+        a, b = max(s, pos), min(e, end)
+        if a < b:
+            mask[a - pos : b - pos, s:e] = True
+    return mask
+
+
 def _attend_per_sequence(
-    q: torch.Tensor, kv: PagedKV, layer: int, meta: StepMetadata
+    q: torch.Tensor,
+    kv: PagedKV,
+    layer: int,
+    meta: StepMetadata,
+    window: int | None,
+    scale: float | None,
 ) -> torch.Tensor:
     """Batch-invariant attention: per sequence, one SDPA call per query tile [k*TILE, (k+1)*TILE)
-    of absolute positions over exactly the keys up to the tile's end."""
+    of sequence indices over exactly the keys `_tile_mask` names."""
     outs, offset = [], 0
-    for start, num_tokens, blocks in meta.sequences:
+    for seq in meta.sequences:
+        start, num_tokens = seq.start, seq.num_tokens
         keys, values = (
-            store.index_select(1, blocks).flatten(1, 2)
+            store.index_select(1, seq.blocks).flatten(1, 2)
             for store in (kv.keys[layer], kv.values[layer])
         )
         pos = start
         while pos < start + num_tokens:
             end = min(start + num_tokens, (pos // TILE + 1) * TILE)
-            # Query i sits at position pos+i and sees keys 0..pos+i.
-            mask = torch.ones(end - pos, end, dtype=torch.bool, device=q.device).tril(pos)
+            mask = _tile_mask(pos, end, window, seq.spans, q.device)
+            key_end = mask.shape[1]
             out = F.scaled_dot_product_attention(
                 q[None, :, offset + pos - start : offset + end - start],
-                keys[None, :, :end],
-                values[None, :, :end],
+                keys[None, :, :key_end],
+                values[None, :, :key_end],
                 attn_mask=mask,
                 enable_gqa=keys.shape[0] != q.shape[0],
+                scale=scale,
             )
             outs.append(out[0].transpose(0, 1).flatten(1))
             pos = end
@@ -318,58 +445,43 @@ def _attend_per_sequence(
     return torch.cat(outs)
 
 
-def _attention(
-    attn: Attention,
-    x: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    meta: StepMetadata,
-    kv: PagedKV,
-    layer: int,
-    batch_invariant: bool,
-) -> torch.Tensor:
-    cos, sin = rope
-    q, k, v = attn.split(linear(attn.qkv_proj, x, batch_invariant))
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    kv.write(layer, meta.slot_mapping, k, v)
-    return linear(attn.o_proj, attend(q, kv, layer, meta), batch_invariant)
+def _layer_attention(kv: PagedKV, layer: int, meta: StepMetadata, window: int | None) -> Attend:
+    """`attend` as layer `layer` calls it: caches the step's keys and values, then attends."""
 
+    def attend_layer(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+    ) -> torch.Tensor:
+        kv.write(layer, meta.slot_mapping, k, v)
+        return attend(q, kv, layer, meta, window, scale)
 
-def _layer(
-    block: DecoderLayer,
-    x: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    meta: StepMetadata,
-    kv: PagedKV,
-    layer: int,
-    batch_invariant: bool,
-) -> torch.Tensor:
-    attn = _attention(
-        block.self_attn, block.input_layernorm(x), rope, meta, kv, layer, batch_invariant
-    )
-    x = x + attn
-    h = block.post_attention_layernorm(x)
-    mlp = block.mlp
-    gate_up = linear(mlp.gate_up_proj, h, batch_invariant)
-    return x + linear(mlp.down_proj, mlp.act(gate_up), batch_invariant)
+    return attend_layer
 
 
 @torch.inference_mode()
 def forward_step(
-    model: Llava, embeds: torch.Tensor, meta: StepMetadata, kv: PagedKV, batch_invariant: bool
+    model: VisionLanguageModel,
+    embeds: torch.Tensor,
+    meta: StepMetadata,
+    kv: PagedKV,
+    batch_invariant: bool,
 ) -> torch.Tensor:
-    """Runs the step's new tokens ((tokens, hidden) embeddings, in chunk order); returns the
-    float32 logits of the tokens `meta.logits_indices` names."""
-    decoder = model.language_model
-    rope = decoder.rotary(meta.positions)
+    """Runs the step's new tokens ((tokens, hidden) embeddings, in chunk order) through every
+    layer's `forward_paged`; returns the float32 logits of the tokens `meta.logits_indices`
+    names."""
+    rope = model.rope(meta.positions)
+
+    def gemm(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return linear(module, x, batch_invariant)
+
     x = embeds
-    for i, block in enumerate(decoder.layers):
-        x = _layer(block, x, rope, meta, kv, i, batch_invariant)  # type: ignore[arg-type]
-    last = decoder.norm(x.index_select(0, meta.logits_indices))
+    for i, layer in enumerate(paged_layers(model)):
+        x = layer.forward_paged(x, rope, _layer_attention(kv, i, meta, layer.sliding_window), gemm)
+    last = model.language_model.norm(x.index_select(0, meta.logits_indices))
     return linear(model.lm_head, last, batch_invariant).float()
 
 
 def forward(
-    model: Llava,
+    model: VisionLanguageModel,
     embeds: torch.Tensor,
     chunks: list[SeqChunk],
     kv: PagedKV,
@@ -377,5 +489,5 @@ def forward(
 ) -> torch.Tensor:
     """`forward_step` with the metadata of `chunks`: the float32 logits of the last token of
     each chunk with `need_logits`, in chunk order."""
-    meta = step_metadata(chunks, kv.block_size, batch_invariant, kv.device)
+    meta = step_metadata(chunks, kv.block_size, batch_invariant, kv.device, sliding_windows(model))
     return forward_step(model, embeds, meta, kv, batch_invariant)

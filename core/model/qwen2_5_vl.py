@@ -16,7 +16,6 @@ positions, in prompt order, with the rows of the visual items in that order.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,15 +25,13 @@ from torch import nn
 
 from core.model.config import ModelConfigError, TextConfig
 from core.model.qwen2_5_vl_vision import Grid, QwenVisionConfig, QwenVisionTransformer, patchify
-from core.model.text import Attention, DecoderLayer, RMSNorm, _rotate
+from core.model.text import DecoderLayer, RMSNorm
 from core.model.weights import check_state, encoder_digest, fuse, read_state
 
 MODEL_TYPES = ("qwen2_5_vl",)
 CPU = torch.device("cpu")
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (tokens, head_dim)
 # The engine's attention (q, k, v[, scale]) -> (tokens, heads * dim), and its linear.
-Attend = Callable[..., torch.Tensor]
-Linear = Callable[[nn.Linear, torch.Tensor], torch.Tensor]
 # Checkpoint prefixes (transformers 5 first: `model.` alone is the Hub's decoder) -> ours.
 _PREFIXES = (
     ("model.visual.", "visual."),
@@ -194,24 +191,12 @@ def load_config(model_dir: Path) -> QwenVLConfig:
 
 
 class QwenDecoderLayer(DecoderLayer):
-    """A Qwen2 layer with the engine's paged hook; rotary angles arrive precomputed (M-RoPE is
-    a different choice of angles, applied the same way)."""
+    """A Qwen2 layer that may slide: `DecoderLayer.forward_paged` serves it as it is, since
+    M-RoPE is only a different choice of the angles `QwenVL.rope` precomputes."""
 
     def __init__(self, cfg: TextConfig, sliding_window: int | None) -> None:
         super().__init__(cfg)
         self.sliding_window = sliding_window
-
-    def forward_paged(
-        self, x: torch.Tensor, rope: Rope, attend: Attend, linear: Linear
-    ) -> torch.Tensor:
-        attn: Attention = self.self_attn
-        q, k, v = attn.split(linear(attn.qkv_proj, self.input_layernorm(x)))
-        cos, sin = rope
-        x = x + linear(attn.o_proj, attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v))
-        mlp = self.mlp
-        return x + linear(
-            mlp.down_proj, mlp.act(linear(mlp.gate_up_proj, self.post_attention_layernorm(x)))
-        )
 
 
 class QwenDecoder(nn.Module):

@@ -1,12 +1,18 @@
-"""The language model: a Llama- or Qwen2-style decoder with a contiguous per-sequence KV cache."""
+"""The language model: a Llama- or Qwen2-style decoder with a contiguous per-sequence KV cache,
+whose layers also run inside the paged engine's step (`DecoderLayer.forward_paged`)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from core.model.config import TextConfig
+
+if TYPE_CHECKING:
+    from core.model.family import Attend, Linear
 
 
 class RMSNorm(nn.Module):
@@ -129,6 +135,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    sliding_window: int | None = None  # every layer attends to the whole sequence
+
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -141,6 +149,24 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_paged(
+        self,
+        x: torch.Tensor,
+        rope: object,
+        attend: Attend,
+        linear: Linear,
+    ) -> torch.Tensor:
+        """The layer inside the paged engine's step: `rope` is `Llava.rope`'s (cos, sin),
+        `attend` caches the rotated keys and applies the step's masks, `linear` is the engine's
+        (batch-invariant when asked) GEMM."""
+        cos, sin = cast(tuple[torch.Tensor, torch.Tensor], rope)
+        attn, mlp = self.self_attn, self.mlp
+        q, k, v = attn.split(linear(attn.qkv_proj, self.input_layernorm(x)))
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        x = x + linear(attn.o_proj, attend(q, k, v))
+        gate_up = linear(mlp.gate_up_proj, self.post_attention_layernorm(x))
+        return x + linear(mlp.down_proj, mlp.act(gate_up))
 
 
 class Decoder(nn.Module):

@@ -84,3 +84,25 @@ def test_admission_counts_what_compression_produces(tokens: int) -> None:
     for chosen in compression.PROFILES.values():
         out = compression.compress_item(feats, scores, 3, chosen, seed=1)
         assert compression.visual_tokens(tokens, 3, chosen) == out.shape[0], chosen.name
+
+
+@pytest.mark.parametrize("name", ["low-latency", "balanced", "high-precision"])
+def test_kept_indices_name_the_original_tokens(name: str) -> None:
+    """Each compressed row stands for one original token (merged rows: the token merged into),
+    increasing within each tile; a pruned row is exactly that token's features."""
+    rng = np.random.default_rng(4)
+    feats = rng.normal(size=(2 * 49, 16)).astype(np.float32)
+    scores = rng.random(2 * 49).astype(np.float32)
+    chosen = compression.profile(name)
+    out, kept = compression.compress_item_kept(feats, scores, 2, chosen)
+    assert kept is not None and kept.num_tokens == 98 and kept.indices.shape == (out.shape[0],)
+    assert np.array_equal(out, compression.compress_item(feats, scores, 2, chosen))
+    for tile in (kept.indices[kept.indices < 49], kept.indices[kept.indices >= 49]):
+        assert np.all(np.diff(tile) > 0)
+    if name != "high-precision":  # pruning only: the rows are the tokens themselves
+        assert np.array_equal(out, feats[kept.indices])
+    _, pooled = compression.compress_item_kept(
+        feats[:49], scores[:49], 1, compression.Profile("p", (compression.Step("pool", 0.25),))
+    )
+    assert pooled is not None and pooled.indices.tolist()[:4] == [0, 2, 4, 14]
+    assert compression.compress_item_kept(feats, scores, 2, compression.profile("none"))[1] is None
