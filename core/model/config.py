@@ -15,6 +15,22 @@ class ModelConfigError(ValueError):
     """The checkpoint's config names something this loader does not implement."""
 
 
+def read_json(path: Path, required: bool = False) -> dict[str, Any]:
+    """A checkpoint's JSON object file; {} when it is absent and not `required`. Anything else
+    wrong with it is a one-line ModelConfigError naming the file."""
+    if not path.exists():
+        if required:
+            raise ModelConfigError(f"{path.name} is missing")
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelConfigError(f"{path.name} is not readable JSON ({type(exc).__name__})") from None
+    if not isinstance(data, dict):
+        raise ModelConfigError(f"{path.name} is not a JSON object")
+    return data
+
+
 @dataclass(frozen=True, slots=True)
 class VisionConfig:
     kind: str  # "clip" (class token, pre-norm) or "siglip" (no class token)
@@ -68,9 +84,8 @@ class LlavaConfig:
 
 
 def load(model_dir: Path) -> LlavaConfig:
-    raw = json.loads((model_dir / "config.json").read_text())
-    pre_path = model_dir / "preprocessor_config.json"
-    pre = json.loads(pre_path.read_text()) if pre_path.exists() else {}
+    raw = read_json(model_dir / "config.json", required=True)
+    pre = read_json(model_dir / "preprocessor_config.json")
     return parse(raw, pre)
 
 

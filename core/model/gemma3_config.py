@@ -8,13 +8,12 @@ key and value."""
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.model.config import ModelConfigError, VisionConfig
+from core.model.config import ModelConfigError, VisionConfig, read_json
 
 MODEL_TYPES = ("gemma3",)
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new", "gelu")
@@ -76,11 +75,11 @@ class Gemma3Config:
 
 
 def load(model_dir: Path) -> Gemma3Config:
-    raw = _json(model_dir / "config.json", required=True)
-    generation = _json(model_dir / "generation_config.json")
-    processor = _json(model_dir / "processor_config.json")
+    raw = read_json(model_dir / "config.json", required=True)
+    generation = read_json(model_dir / "generation_config.json")
+    processor = read_json(model_dir / "processor_config.json")
     # transformers 5 nests the image processor's settings; the Hub keeps them in their own file.
-    image = processor.get("image_processor") or _json(model_dir / "preprocessor_config.json")
+    image = processor.get("image_processor") or read_json(model_dir / "preprocessor_config.json")
     return parse(raw, generation, processor, image)
 
 
@@ -222,20 +221,6 @@ def _ropes(tc: dict[str, Any]) -> tuple[Rope, Rope]:
         factor = float(p.get("factor", 1.0)) if rope_type == "linear" else 1.0
         ropes.append(Rope(float(p.get("rope_theta", default)), factor))
     return ropes[0], ropes[1]
-
-
-def _json(path: Path, required: bool = False) -> dict[str, Any]:
-    if not path.exists():
-        if required:
-            raise ModelConfigError(f"{path.name} is missing")
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ModelConfigError(f"{path.name} is not valid JSON ({type(exc).__name__})") from None
-    if not isinstance(data, dict):
-        raise ModelConfigError(f"{path.name} is not a JSON object")
-    return data
 
 
 def _expect(section: dict[str, Any], key: str, want: str) -> None:

@@ -9,12 +9,11 @@ than silently preprocessed differently from the model's training.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from core.model import config as llava_config
-from core.model.config import ModelConfigError
+from core.model.config import ModelConfigError, read_json
 from shared.preprocess import PreprocessRule, tiles
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -56,22 +55,12 @@ def processor_config(model_dir: Path) -> tuple[str, dict[str, Any]]:
     """(file name, the image processor's settings) in either layout; {} when there is neither."""
     nested = model_dir / "processor_config.json"
     if nested.exists():
-        raw = _read(nested)
+        raw = read_json(nested)
         inner = raw.get("image_processor")
         if isinstance(inner, dict):
             return f"{nested.name} image_processor", inner
     flat = model_dir / "preprocessor_config.json"
-    return (flat.name, _read(flat)) if flat.exists() else (flat.name, {})
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelConfigError(f"{path.name}: not readable JSON ({type(exc).__name__})") from None
-    if not isinstance(raw, dict):
-        raise ModelConfigError(f"{path.name}: not a JSON object")
-    return raw
+    return flat.name, read_json(flat)
 
 
 def _common(proc: dict[str, Any], default_resample: int, where: str) -> str:
@@ -157,5 +146,5 @@ def _fixed(proc: dict[str, Any], tokens: int, where: str) -> PreprocessRule:
 
 def _mm_tokens(model_dir: Path) -> int:
     """Gemma 3's visual tokens per view: config.json's mm_tokens_per_image (256 by default)."""
-    raw = _read(model_dir / "config.json")
+    raw = read_json(model_dir / "config.json")
     return _int(raw, "mm_tokens_per_image", 256, "config.json")

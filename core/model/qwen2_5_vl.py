@@ -15,7 +15,6 @@ positions, in prompt order, with the rows of the visual items in that order.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from core.model.config import ModelConfigError, TextConfig
+from core.model.config import ModelConfigError, TextConfig, read_json
 from core.model.qwen2_5_vl_vision import Grid, QwenVisionConfig, QwenVisionTransformer, patchify
 from core.model.text import DecoderLayer, RMSNorm
 from core.model.weights import check_state, encoder_digest, fuse, read_state
@@ -64,18 +63,6 @@ class QwenVLConfig:
     image_token_id: int  # <|image_pad|>, once per merged visual token of an image
     video_token_id: int  # <|video_pad|>, once per merged visual token of a video
     preprocess: QwenPreprocess
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelConfigError(f"{path.name} is not readable JSON ({type(exc).__name__})") from None
-    if not isinstance(data, dict):
-        raise ModelConfigError(f"{path.name} is not a JSON object")
-    return data
 
 
 def _mrope_section(tc: dict[str, Any], head_dim: int) -> tuple[int, int, int]:
@@ -151,9 +138,9 @@ def _vision(vc: dict[str, Any], out_hidden: int) -> QwenVisionConfig:
 
 
 def _preprocess(model_dir: Path) -> QwenPreprocess:
-    pre = _read_json(model_dir / "preprocessor_config.json")
+    pre = read_json(model_dir / "preprocessor_config.json")
     if not pre:  # transformers 5: one processor_config.json with the image processor inside
-        pre = _read_json(model_dir / "processor_config.json").get("image_processor") or {}
+        pre = read_json(model_dir / "processor_config.json").get("image_processor") or {}
     size = pre.get("size") or {}
     return QwenPreprocess(
         min_pixels=int(pre.get("min_pixels", size.get("shortest_edge", 56 * 56))),
@@ -164,7 +151,7 @@ def _preprocess(model_dir: Path) -> QwenPreprocess:
 
 
 def load_config(model_dir: Path) -> QwenVLConfig:
-    raw = _read_json(model_dir / "config.json")
+    raw = read_json(model_dir / "config.json")
     if raw.get("model_type") not in MODEL_TYPES:
         raise ModelConfigError(
             f"config.json: model_type {raw.get('model_type')!r} is not one of {list(MODEL_TYPES)}"
@@ -172,7 +159,7 @@ def load_config(model_dir: Path) -> QwenVLConfig:
     if not isinstance(raw.get("vision_config"), dict):
         raise ModelConfigError("config.json: vision_config is missing")
     tc = raw.get("text_config") or raw  # the Hub's layout keeps text keys at the top
-    text = _text(raw, tc, _read_json(model_dir / "generation_config.json"))
+    text = _text(raw, tc, read_json(model_dir / "generation_config.json"))
     window = tc.get("sliding_window") if tc.get("use_sliding_window") else None
     types = tc.get("layer_types") or ["full_attention"] * text.num_layers
     if len(types) != text.num_layers:

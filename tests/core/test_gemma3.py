@@ -475,7 +475,7 @@ MALFORMED: dict[str, tuple[Callable[[Path], None], str]] = {
     ),
     "not_json": (
         lambda d: (d / "config.json").write_text("{'model_type': gemma3"),
-        "config.json is not valid JSON",
+        "config.json is not readable JSON",
     ),
 }
 
