@@ -109,7 +109,7 @@ def segment_attention(
         index = (starts[lengths == size][:, None] + torch.arange(size)).flatten().to(q.device)
         segs = qkv.index_select(2, index).view(3, heads, -1, size, dim).transpose(1, 2)
         res = F.scaled_dot_product_attention(segs[0], segs[1], segs[2])  # (segments, heads, ..)
-        out[:, index] = res.transpose(0, 1).reshape(heads, -1, dim)
+        out.index_copy_(1, index, res.transpose(0, 1).reshape(heads, -1, dim))
     return out
 
 

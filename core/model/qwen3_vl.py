@@ -191,10 +191,8 @@ def interleaved_axes(section: tuple[int, int, int], pairs: int) -> torch.Tensor:
     h takes pairs 1, 4, 7, ... below 3 * section[1], w takes 2, 5, 8, ... below 3 * section[2],
     t the rest (the layout Qwen3-VL was trained with)."""
     i = torch.arange(pairs)
-    axis = torch.zeros(pairs, dtype=torch.long)
-    axis[(i % 3 == 1) & (i < 3 * section[1])] = 1
-    axis[(i % 3 == 2) & (i < 3 * section[2])] = 2
-    return axis
+    w = torch.where((i % 3 == 2) & (i < 3 * section[2]), 2, 0)
+    return torch.where((i % 3 == 1) & (i < 3 * section[1]), 1, w)
 
 
 def frame_seconds(
@@ -306,11 +304,11 @@ class Qwen3VL(nn.Module):
         if image_features is None or not any(i in visual for i in ids):
             return extras
         hidden = self.cfg.text.hidden_size
-        rows = torch.tensor([i in visual for i in ids], device=image_features.device)
+        rows = torch.tensor([i in visual for i in ids]).to(image_features.device)[:, None]
+        zeros = image_features.new_zeros(len(ids), hidden)
         for k in range(self.cfg.num_deepstack):
-            extra = image_features.new_zeros(len(ids), hidden)
-            extra[rows] = image_features[:, (1 + k) * hidden : (2 + k) * hidden]
-            extras[k] = extra
+            feats = image_features[:, (1 + k) * hidden : (2 + k) * hidden]
+            extras[k] = zeros.masked_scatter(rows, feats)
         return extras
 
     def encoder_digest(self) -> str:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -424,3 +426,74 @@ def test_malformed_checkpoint_is_one_line(
     ckpt: Checkpoints, tmp_path: Path, change: Callable[[Path], None], words: str
 ) -> None:
     assert words in _broken(ckpt, tmp_path, change)
+
+
+def _causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """A whole prompt's causal attention, built on the device (no host-made mask)."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=True
+    )
+    return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+
+
+def fake_cuda_prefill(model_dir: str, ids: list[int], shapes: list[list[int]]) -> None:
+    """Runs in a child process (`test_a_prefill_runs_on_cuda_in_bf16`): FakeTensorMode runs the
+    vision transformer, the deepstack inputs and a prefill through `forward_paged` with every
+    weight a bf16 CUDA tensor. FakeTensorMode refuses a host tensor mixed into device work; the
+    trace shows nothing computed on the device landing on the host."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tests.core.test_llm_device import CUDA, _fake_on_cuda, _getitem, _Trace
+
+    cfg = qwen3_vl.load_config(Path(model_dir))
+    with torch.device("meta"):
+        model = qwen3_vl.Qwen3VL(cfg)
+    # Python indexing of a fake CUDA tensor opens a device guard, which a torch without CUDA
+    # cannot: test_llm_device's `_getitem` stands in. Setting `Tensor.__getitem__` cannot be
+    # undone (0-d tensors stay sequences for `torch.tensor`), hence the child process.
+    torch.Tensor.__getitem__ = _getitem  # type: ignore[method-assign,assignment]
+    with FakeTensorMode(allow_non_fake_inputs=False), _Trace() as trace, torch.no_grad():
+        _fake_on_cuda(model, torch.bfloat16)
+        with torch.device(CUDA):
+            model.reset_buffers()
+        pixels = [torch.empty(shape, dtype=torch.uint8, device=CUDA) for shape in shapes]
+        trace.recording = True
+        encoded = [model.encode_visual(p) for p in pixels]
+        feats = torch.cat([f for f, _ in encoded])
+        positions, _ = model.prompt_positions(ids, [g for _, g in encoded])
+        assert positions is not None
+        extras = model.deepstack_inputs(ids, feats)
+        rope = model.rope(positions.to(CUDA))
+        x = model.embed(ids, feats)
+        for layer, extra in zip(model.language_model.layers, extras, strict=True):
+            x = layer.forward_paged(x, rope, _causal, _linear, extra)
+        logits = model.lm_head(model.language_model.norm(x))
+    assert logits.device.type == "cuda" and logits.dtype == torch.bfloat16
+    # The image's 3 x 4 tokens and the video's 2 frame pairs of 2 x 2; 64 + 2 deepstack x 64.
+    assert feats.shape == (12 + 2 * 4, 3 * 64)
+    assert logits.shape == (len(ids), cfg.text.vocab_size)
+    ops = trace.ops
+    assert not [op for op, ins, made in ops if "cuda" in ins and any(m[0] != "cuda" for m in made)]
+    print("fake cuda prefill ok", len(ops), "ops")
+
+
+def test_a_prefill_runs_on_cuda_in_bf16(ckpt: Checkpoints) -> None:
+    """`fake_cuda_prefill` for the image-and-video prompt, in a child process."""
+    case = _case(ckpt, CASES["image_and_video"])
+    shapes = [list(p.shape) for p in case.pixels]
+    code = (
+        "import sys, json; from tests.core.test_qwen3_vl import fake_cuda_prefill; "
+        "fake_cuda_prefill(sys.argv[1], *json.loads(sys.argv[2]))"
+    )
+    args = [str(ckpt.t5), json.dumps([case.ids, shapes])]
+    run = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "fake cuda prefill ok" in run.stdout
