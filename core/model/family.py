@@ -36,9 +36,15 @@ class PagedLayer(Protocol):
     sliding_window: int | None  # keys a query sees back from itself (itself included); None = all
 
     def forward_paged(
-        self, x: torch.Tensor, rope: object, attend: Attend, linear: Linear
+        self,
+        x: torch.Tensor,
+        rope: object,
+        attend: Attend,
+        linear: Linear,
+        extra: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """(tokens, hidden) -> (tokens, hidden): norms, projections, rotary, residuals, MLP."""
+        """(tokens, hidden) -> (tokens, hidden): norms, projections, rotary, residuals, MLP;
+        `extra` (None, or (tokens, hidden)) is added to the layer's output."""
         ...
 
 

@@ -137,7 +137,11 @@ def _vision(vc: dict[str, Any], out_hidden: int) -> QwenVisionConfig:
     return cfg
 
 
-def _preprocess(model_dir: Path) -> QwenPreprocess:
+def _preprocess(
+    model_dir: Path,
+    mean: tuple[float, float, float] = _OPENAI_MEAN,
+    std: tuple[float, float, float] = _OPENAI_STD,
+) -> QwenPreprocess:
     pre = read_json(model_dir / "preprocessor_config.json")
     if not pre:  # transformers 5: one processor_config.json with the image processor inside
         pre = read_json(model_dir / "processor_config.json").get("image_processor") or {}
@@ -145,8 +149,8 @@ def _preprocess(model_dir: Path) -> QwenPreprocess:
     return QwenPreprocess(
         min_pixels=int(pre.get("min_pixels", size.get("shortest_edge", 56 * 56))),
         max_pixels=int(pre.get("max_pixels", size.get("longest_edge", 28 * 28 * 1280))),
-        image_mean=tuple(pre.get("image_mean", _OPENAI_MEAN)),
-        image_std=tuple(pre.get("image_std", _OPENAI_STD)),
+        image_mean=tuple(pre.get("image_mean", mean)),
+        image_std=tuple(pre.get("image_std", std)),
     )
 
 
@@ -197,6 +201,17 @@ class QwenDecoder(nn.Module):
         self.norm = RMSNorm(text.hidden_size, text.rms_norm_eps)
 
 
+def mrope(positions: torch.Tensor, inv_freq: torch.Tensor, axis: torch.Tensor) -> Rope:
+    """(tokens,) or (3, tokens) positions -> cos, sin (tokens, head_dim), frequency pair i
+    turning with position axis[i] (0 = t, 1 = h, 2 = w)."""
+    if positions.dim() == 1:
+        positions = positions.expand(3, -1)
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)  # (3, n, dim/2)
+    freqs = freqs.gather(0, axis.to(positions.device).expand(1, freqs.shape[1], -1))[0]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
 def mrope_positions(
     ids: list[int], grids: list[Grid], visual_ids: tuple[int, int], seconds: list[float], tps: float
 ) -> tuple[torch.Tensor, int]:
@@ -231,6 +246,29 @@ def mrope_positions(
         raise ValueError("the prompt has more visual tokens than its grids cover")
     out[:, cursor:] = torch.arange(start, start + len(ids) - cursor)
     return out, start - cursor
+
+
+def fill_visual_slots(
+    embed_tokens: nn.Embedding,
+    token_ids: list[int] | torch.Tensor,
+    visual_ids: tuple[int, ...],
+    features: torch.Tensor | None,
+) -> torch.Tensor:
+    """Token embeddings with every slot of `visual_ids`, in order, replaced by a row of
+    `features` (all visual items of the prompt, concatenated in prompt order)."""
+    ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
+    device = embed_tokens.weight.device
+    is_visual = [i in visual_ids for i in ids]
+    host = torch.tensor([0 if v else i for i, v in zip(ids, is_visual, strict=True)])
+    embeds = embed_tokens(host.to(device))
+    num = sum(is_visual)
+    if num:
+        if features is None or features.shape[0] != num:
+            have = 0 if features is None else features.shape[0]
+            raise ValueError(f"{num} visual tokens but {have} visual feature rows")
+        mask = torch.tensor(is_visual).to(device)[:, None]
+        embeds = embeds.masked_scatter(mask, features.to(device, embeds.dtype))
+    return embeds
 
 
 class QwenVL(nn.Module):
@@ -288,34 +326,18 @@ class QwenVL(nn.Module):
 
     def rope(self, positions: torch.Tensor) -> Rope:
         """(tokens,) or (3, tokens) positions -> cos, sin (tokens, head_dim): frequency pair i
-        turns with the t, h or w position as `mrope_section` assigns it."""
-        if positions.dim() == 1:
-            positions = positions.expand(3, -1)
-        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # (3, n, dim/2)
+        turns with the t, h or w position as `mrope_section` assigns it (in sections)."""
         axis = torch.repeat_interleave(torch.arange(3), torch.tensor(self.cfg.mrope_section))
-        freqs = freqs.gather(0, axis.to(positions.device).expand(1, freqs.shape[1], -1))[0]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos(), emb.sin()
+        return mrope(positions, self.inv_freq, axis)
 
     def embed(
         self, token_ids: list[int] | torch.Tensor, image_features: torch.Tensor | None
     ) -> torch.Tensor:
         """Token embeddings with every image and video slot replaced, in order, by the rows of
         `image_features` (all visual items of the prompt, concatenated in prompt order)."""
-        ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
+        embed_tokens = self.language_model.embed_tokens
         visual = (self.cfg.image_token_id, self.cfg.video_token_id)
-        device = self.language_model.embed_tokens.weight.device
-        is_visual = [i in visual for i in ids]
-        host = torch.tensor([0 if v else i for i, v in zip(ids, is_visual, strict=True)])
-        embeds = self.language_model.embed_tokens(host.to(device))
-        num = sum(is_visual)
-        if num:
-            if image_features is None or image_features.shape[0] != num:
-                have = 0 if image_features is None else image_features.shape[0]
-                raise ValueError(f"{num} visual tokens but {have} visual feature rows")
-            mask = torch.tensor(is_visual).to(device)[:, None]
-            embeds = embeds.masked_scatter(mask, image_features.to(device, embeds.dtype))
-        return embeds
+        return fill_visual_slots(embed_tokens, token_ids, visual, image_features)
 
     def encoder_digest(self) -> str:
         """SHA-256 over the vision transformer's weights (merger included), in name order."""
@@ -332,18 +354,26 @@ def canonical_name(name: str) -> str | None:
     return name
 
 
-def load(model_dir: Path, device: torch.device = CPU, dtype: torch.dtype = torch.float32) -> QwenVL:
-    """The checkpoint's weights read straight onto `device` one tensor at a time, each cast to
-    `dtype` there once; every parameter must be present with its configured shape."""
-    cfg = load_config(model_dir)
+def load_weights(
+    model_dir: Path, model: nn.Module, num_layers: int, device: torch.device, dtype: torch.dtype
+) -> None:
+    """Reads the checkpoint's weights straight onto `device` one tensor at a time, each cast to
+    `dtype` there once, into `model` (built on `meta`); every parameter must be present with its
+    configured shape. A missing `lm_head` is tied to the embeddings."""
     state = read_state(model_dir, canonical_name, device, dtype)
     if "lm_head.weight" not in state and "language_model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["language_model.embed_tokens.weight"]
-    fuse(state, cfg.text.num_layers)
-    with torch.device("meta"):
-        model = QwenVL(cfg)
+    fuse(state, num_layers)
     check_state(model, state)
     model.load_state_dict(state, strict=True, assign=True)
+
+
+def load(model_dir: Path, device: torch.device = CPU, dtype: torch.dtype = torch.float32) -> QwenVL:
+    """A Qwen2.5-VL checkpoint on `device` in `dtype` (`load_weights`)."""
+    cfg = load_config(model_dir)
+    with torch.device("meta"):
+        model = QwenVL(cfg)
+    load_weights(model_dir, model, cfg.text.num_layers, device, dtype)
     with torch.device(device):
         model.reset_buffers()
     return model.eval()

@@ -10,6 +10,7 @@ the `fullatt_block_indexes` ones, which attend over the whole frame; rotary posi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,18 @@ class QwenVisionConfig:
 Grid = tuple[int, int, int]  # (t, h, w) in merged-token units
 
 
-def patchify(frames: torch.Tensor, cfg: QwenVisionConfig) -> tuple[torch.Tensor, Grid]:
+class PatchGeometry(Protocol):
+    """What `patchify` needs of a vision config (Qwen2.5-VL's and Qwen3-VL's both have it)."""
+
+    @property
+    def patch_size(self) -> int: ...
+    @property
+    def temporal_patch_size(self) -> int: ...
+    @property
+    def spatial_merge_size(self) -> int: ...
+
+
+def patchify(frames: torch.Tensor, cfg: PatchGeometry) -> tuple[torch.Tensor, Grid]:
     """(T, 3, H, W) normalised frames -> (patches, 3 * temporal * patch * patch) rows in the
     processor's order, and the grid in merged units. An image (T = 1) is its frame repeated, an
     odd video its last frame repeated, to fill the temporal pairs (as the processors do)."""
@@ -97,16 +109,32 @@ def segment_attention(
         index = (starts[lengths == size][:, None] + torch.arange(size)).flatten().to(q.device)
         segs = qkv.index_select(2, index).view(3, heads, -1, size, dim).transpose(1, 2)
         res = F.scaled_dot_product_attention(segs[0], segs[1], segs[2])  # (segments, heads, ..)
-        out[:, index] = res.transpose(0, 1).reshape(heads, -1, dim)
+        out.index_copy_(1, index, res.transpose(0, 1).reshape(heads, -1, dim))
     return out
 
 
+def axial_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """Rows and columns rotate half of the head each (axial 2-D rope)."""
+    half = head_dim // 2
+    return 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
+
+
+def axial_rope(
+    positions: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(patches, 2) rows and columns -> cos, sin (patches, head_dim): row frequencies, then
+    column frequencies, twice (the rotation pairs dimension i with i + head_dim / 2)."""
+    freqs = (positions[..., None].float() * inv_freq).flatten(1)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
 class VisionAttention(nn.Module):
-    def __init__(self, cfg: QwenVisionConfig) -> None:
+    def __init__(self, hidden_size: int, num_heads: int) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
+        self.proj = nn.Linear(hidden_size, hidden_size)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], sizes: list[int]
@@ -134,7 +162,7 @@ class VisionBlock(nn.Module):
     def __init__(self, cfg: QwenVisionConfig) -> None:
         super().__init__()
         self.norm1 = RMSNorm(cfg.hidden_size, 1e-6)
-        self.attn = VisionAttention(cfg)
+        self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
         self.norm2 = RMSNorm(cfg.hidden_size, 1e-6)
         self.mlp = VisionMLP(cfg)
 
@@ -184,17 +212,11 @@ class QwenVisionTransformer(nn.Module):
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
-        # Rows and columns rotate half of the head each (axial 2-D rope).
-        half = self.cfg.hidden_size // self.cfg.num_heads // 2
-        steps = torch.arange(0, half, 2, dtype=torch.float32) / half
-        self.register_buffer("inv_freq", 1.0 / (self.cfg.rope_theta**steps), persistent=False)
+        inv_freq = axial_inv_freq(self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(patches, 2) rows and columns -> cos, sin (patches, head_dim): row frequencies, then
-        column frequencies, twice (the rotation pairs dimension i with i + head_dim / 2)."""
-        freqs = (positions[..., None].float() * self.inv_freq).flatten(1)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos(), emb.sin()
+        return axial_rope(positions, self.inv_freq)
 
     def forward(self, patches: torch.Tensor, grid: Grid) -> torch.Tensor:
         """Patches of one image or video (`patchify`) -> (merged tokens, out_hidden_size)."""

@@ -156,17 +156,20 @@ class DecoderLayer(nn.Module):
         rope: object,
         attend: Attend,
         linear: Linear,
+        extra: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The layer inside the paged engine's step: `rope` is `Llava.rope`'s (cos, sin),
         `attend` caches the rotated keys and applies the step's masks, `linear` is the engine's
-        (batch-invariant when asked) GEMM."""
+        (batch-invariant when asked) GEMM, `extra` None or (tokens, hidden) added to the output
+        (Qwen3-VL's deepstack features, zero outside visual rows)."""
         cos, sin = cast(tuple[torch.Tensor, torch.Tensor], rope)
         attn, mlp = self.self_attn, self.mlp
         q, k, v = attn.split(linear(attn.qkv_proj, self.input_layernorm(x)))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         x = x + linear(attn.o_proj, attend(q, k, v))
         gate_up = linear(mlp.gate_up_proj, self.post_attention_layernorm(x))
-        return x + linear(mlp.down_proj, mlp.act(gate_up))
+        x = x + linear(mlp.down_proj, mlp.act(gate_up))
+        return x if extra is None else x + extra.to(x.dtype)
 
 
 class Decoder(nn.Module):
