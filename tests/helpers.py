@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import grpc
 from google.rpc import error_details_pb2
@@ -83,3 +88,21 @@ def metric(address: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"metric {name} not exported")
+
+
+def run_in_child(function: str, *args: Any, timeout: float = 300) -> str:
+    """Calls `function` ("package.module.name") with JSON-able `args` in a fresh Python process
+    and returns its stdout; fails the test with the child's stderr if it raises. For tests that
+    patch what cannot be unpatched (a fake-CUDA `Tensor.__getitem__` leaves tensors looking like
+    sequences for the rest of the process)."""
+    module, name = function.rsplit(".", 1)
+    code = f"import json, sys; from {module} import {name}; {name}(*json.loads(sys.argv[1]))"
+    run = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(args)],
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,6 +22,7 @@ from core.model.config import ModelConfigError
 from core.model.qwen2_5_vl_vision import patchify
 from core.model.tokenizer import ChatTokenizer, ChatTurn
 from tests.core.test_qwen_vl import DenseAttention, _linear, _pixels, _tokenizer
+from tests.helpers import run_in_child
 
 transformers = pytest.importorskip("transformers")
 ATOL = 1e-4  # float32 on both sides
@@ -486,17 +485,5 @@ def test_a_prefill_runs_on_cuda_in_bf16(ckpt: Checkpoints) -> None:
     """`fake_cuda_prefill` for the image-and-video prompt, in a child process."""
     case = _case(ckpt, CASES["image_and_video"])
     shapes = [list(p.shape) for p in case.pixels]
-    code = (
-        "import sys, json; from tests.core.test_qwen3_vl import fake_cuda_prefill; "
-        "fake_cuda_prefill(sys.argv[1], *json.loads(sys.argv[2]))"
-    )
-    args = [str(ckpt.t5), json.dumps([case.ids, shapes])]
-    run = subprocess.run(
-        [sys.executable, "-c", code, *args],
-        cwd=Path(__file__).parents[2],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "fake cuda prefill ok" in run.stdout
+    out = run_in_child("tests.core.test_qwen3_vl.fake_cuda_prefill", str(ckpt.t5), case.ids, shapes)
+    assert "fake cuda prefill ok" in out
