@@ -41,6 +41,7 @@ class Geometry:
     image_size: int  # tile side
     preprocess_version: str  # version to apply
     fill: tuple[int, int, int]  # letterbox colour: the encoder's mean in 0..255
+    tokens_per_tile: int = 0  # visual tokens the encoder yields per tile
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +242,11 @@ class CoreClient:
                 raise _rpc_error(exc) from None
             r, g, b = (round(m * 255) for m in info.image_mean[:3])
             self._geometry = Geometry(
-                info.core_id, info.image_size, info.preprocess_version, (r, g, b)
+                info.core_id,
+                info.image_size,
+                info.preprocess_version,
+                (r, g, b),
+                info.tokens_per_tile,
             )
         return self._geometry
 

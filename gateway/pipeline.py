@@ -265,11 +265,16 @@ class Pipeline:
                 yield _final(event, item_hashes, set(missed), timings, job.started, first)
 
     async def _plan(self, job: _Job, geo: Geometry, timings: dict[str, float]) -> list[Plan]:
-        lim = job.tenant.limits
+        lim, ask = job.tenant.limits, job.ask
+        budget = tiling.Budget(
+            geo.image_size, lim.max_tiles, geo.tokens_per_tile, ask.max_visual_tokens
+        )
+        # `detail=auto` reads the question being asked (the last user turn), in memory only.
+        question = next((t.text for t in reversed(ask.turns) if t.role == "user"), "")
         plans = []
         for index, probe in enumerate(await self._probe(job, timings)):
             w, h = probe.width, probe.height
-            grid = tiling.grid_for(job.ask.detail, w, h, geo.image_size, lim.max_tiles)
+            grid = tiling.grid_for(ask.detail, w, h, budget, question)
             if job.formats[index] in VIDEO:  # the worker already sampled: one item per sample time
                 frames = tuple(range(min(probe.num_frames, lim.max_sampled_frames)))
             else:
