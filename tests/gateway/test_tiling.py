@@ -87,3 +87,16 @@ def test_most_tiles_counts_the_thumbnail() -> None:
     assert Budget(TILE, 1).most_tiles() == 1
     assert tiling.fit_grid(448, 448, TILE, 5) == Grid(2, 2)
     assert tiling.fit_grid(448, 448, TILE, 4) == ONE  # 2 x 2 needs 5 tiles; 1 x 2 keeps no more
+
+
+def test_max_visual_tokens_travels_from_the_client_to_the_gateway_ask() -> None:
+    from gateway.servicer import ask_from_proto
+    from visor import request
+
+    req = request.build("What number is written?", [b"x"], detail="high", max_visual_tokens=320)
+    assert req.max_visual_tokens == 320
+    ask = ask_from_proto(req)
+    assert (ask.detail, ask.max_visual_tokens) == ("high", 320)
+    assert ask_from_proto(request.build("hi")).max_visual_tokens == 0  # unset
+    with pytest.raises(ValueError, match="max_visual_tokens"):
+        request.build("hi", max_visual_tokens=-1)
