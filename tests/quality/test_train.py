@@ -53,7 +53,7 @@ def test_batched_training_forward_matches_the_engine_path(tmp_path: Path) -> Non
 def test_anchor_words_are_found_and_name_their_shapes(tmp_path: Path) -> None:
     out = demo.build(tmp_path / "m", seed=0)
     tok = ChatTokenizer(out, llava.load(out).cfg.image_token_id)
-    items = suite.items(suite.Split.TRAIN, 1, 12)
+    items = suite.items(suite.Split.TRAIN, 1, 12, scenarios=suite.SINGLE)
     convs = [train.conversation(it, np.random.default_rng(i), 4) for i, it in enumerate(items)]
     grid, patch = 8, suite.CELL
     masks = train.anchor_masks(items, convs, grid, patch)
@@ -101,7 +101,7 @@ def test_anchor_words_are_found_and_name_their_shapes(tmp_path: Path) -> None:
 
 
 def test_relation_targets_sit_at_the_second_noun_and_agree_with_the_answer() -> None:
-    items = suite.items(suite.Split.TRAIN, 2, 40)
+    items = suite.items(suite.Split.TRAIN, 2, 40, scenarios=suite.SINGLE)
     convs = [train.conversation(it, np.random.default_rng(i), 4) for i, it in enumerate(items)]
     goal = train.relation_targets(items, convs, 16)
     seen = 0
