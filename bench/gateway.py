@@ -66,7 +66,7 @@ def photo_like(width: int, height: int, seed: int = 0) -> bytes:
 
 
 def _spec(data: bytes, p: decode.Probe, tile: int) -> decode.Spec:
-    grid = tiling.grid_for("auto", p.width, p.height, tile, 1)
+    grid = tiling.grid_for("auto", p.width, p.height, tiling.Budget(tile, 1))
     lim = LimitsConfig()
     return decode.Spec(
         sniff(data), tile, FILL, grid.rows, grid.cols, (0,), lim.max_pixels, lim.max_side

@@ -276,11 +276,22 @@ class Pipeline:
 
     async def _plan(self, job: _Job, geo: Geometry, timings: dict[str, float]) -> list[Plan]:
         """Each item's geometry under the core's rule within the tenant's limits."""
-        lim = job.tenant.limits
+        lim, ask = job.tenant.limits, job.ask
         rule = bounded_rule(geo.rule, lim)
+        # `detail=auto` reads the question being asked (the last user turn), in memory only.
+        question = next((t.text for t in reversed(ask.turns) if t.role == "user"), "")
         probes = await self._probe(job, timings)
         return [
-            plan_media(i, p, job.formats[i] in VIDEO, job.ask.detail, rule, lim)
+            plan_media(
+                i,
+                p,
+                job.formats[i] in VIDEO,
+                ask.detail,
+                rule,
+                lim,
+                question,
+                ask.max_visual_tokens,
+            )
             for i, p in enumerate(probes)
         ]
 
@@ -363,10 +374,13 @@ def plan_media(
     detail: str,
     rule: PreprocessRule,
     lim: LimitsConfig,
+    question: str = "",
+    max_visual_tokens: int = 0,
 ) -> Plan:
     """What one media item becomes under `rule`, from its header alone: at most
     max_sampled_frames frames (a native item keeps whole temporal patches of them), and the
-    tile grid, crop grid or native size of each."""
+    tile grid (`detail`, the question's intent and `max_visual_tokens` choose it), crop grid or
+    native size of each."""
     w, h = probe.width, probe.height
     wanted = min(probe.num_frames, lim.max_sampled_frames)
     if rule.kind == "native":
@@ -379,7 +393,10 @@ def plan_media(
     elif rule.kind == "fixed":
         grid = tiling.Grid(*rule.crop_grid(w, h))
     else:
-        grid = tiling.grid_for(detail, w, h, rule.image_size, lim.max_tiles)
+        budget = tiling.Budget(
+            rule.image_size, lim.max_tiles, rule.tokens_per_tile, max_visual_tokens
+        )
+        grid = tiling.grid_for(detail, w, h, budget, question)
     return Plan(index, grid, frames, stacked=rule.kind == "native")
 
 

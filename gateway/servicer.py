@@ -73,7 +73,8 @@ def ask_from_proto(req: gateway_pb2.GenerateRequest, media: list[bytes] | None =
         p.max_new_tokens, p.min_new_tokens, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop),
         p.logprobs, p.top_logprobs, response_format(p.response_format),
     )  # fmt: skip
-    return Ask(tuple(turns), params, req.profile, DETAILS.get(req.detail, "auto"))
+    detail = DETAILS.get(req.detail, "auto")
+    return Ask(tuple(turns), params, req.profile, detail, req.max_visual_tokens)
 
 
 def _event(out: Delta | Final) -> gateway_pb2.GenerateEvent:

@@ -36,6 +36,7 @@ class Ask:
     params: Params  # generation controls
     profile: str  # compression profile ("" = default)
     detail: str  # "auto", "low" or "high"
+    max_visual_tokens: int = 0  # per image, before compression; 0 = unset
 
 
 @dataclass(frozen=True, slots=True)

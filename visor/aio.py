@@ -54,13 +54,22 @@ class AsyncClient:
         turns: Sequence[Turn] = (),
         detail: str = "auto",
         profile: str = "",
+        max_visual_tokens: int = 0,
         timeout: float | None = None,
         **params: Any,
     ) -> AsyncGenerator[Event, None]:
         """`Delta`s, then one `Answer`. `params` are GenerationParams fields; `timeout`
         overrides the client's. Closing the iterator early (`contextlib.aclosing`) cancels the
         call."""
-        req = request.build(prompt, media, turns=turns, detail=detail, profile=profile, **params)
+        req = request.build(
+            prompt,
+            media,
+            turns=turns,
+            detail=detail,
+            profile=profile,
+            max_visual_tokens=max_visual_tokens,
+            **params,
+        )
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         for attempt in range(self.retry.max_attempts):

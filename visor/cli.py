@@ -80,6 +80,7 @@ def _ask(args: argparse.Namespace) -> int:
                 args.prompt,
                 media,
                 detail=args.detail,
+                max_visual_tokens=args.max_visual_tokens,
                 profile=args.profile,
                 max_new_tokens=args.max_new_tokens,
                 **asked,
@@ -328,6 +329,7 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--target", default="127.0.0.1:50051")
     a.add_argument("--detail", choices=("low", "auto", "high"), default="auto")
     a.add_argument("--profile", default="")
+    a.add_argument("--max-visual-tokens", type=int, default=0, help="per image; 0 = unset")
     a.add_argument("--max-new-tokens", type=int, default=0)
     a.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
     a.add_argument("--json", action="store_true", help="print one JSON object at the end")

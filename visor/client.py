@@ -59,12 +59,21 @@ class Client:
         turns: Sequence[Turn] = (),
         detail: str = "auto",
         profile: str = "",
+        max_visual_tokens: int = 0,
         timeout: float | None = None,
         **params: Any,
     ) -> Iterator[Event]:
         """`Delta`s, then one `Answer`. `params` are GenerationParams fields; `timeout`
         overrides the client's. Stopping early cancels the call."""
-        req = request.build(prompt, media, turns=turns, detail=detail, profile=profile, **params)
+        req = request.build(
+            prompt,
+            media,
+            turns=turns,
+            detail=detail,
+            profile=profile,
+            max_visual_tokens=max_visual_tokens,
+            **params,
+        )
         return self._events(req, self.timeout if timeout is None else timeout)
 
     def ask(self, prompt: str = "", media: Sequence[bytes] = (), **options: Any) -> Answer:

@@ -95,12 +95,16 @@ def build(
     turns: Sequence[Turn] = (),
     detail: str = "auto",
     profile: str = "",
+    max_visual_tokens: int = 0,
     **params: Any,
 ) -> gateway_pb2.GenerateRequest:
     """The request; `params` are GenerationParams fields (max_new_tokens, temperature, top_p,
-    top_k, seed, stop, min_new_tokens, logprobs, top_logprobs). Unknown names raise ValueError."""
+    top_k, seed, stop, min_new_tokens, logprobs, top_logprobs). Unknown names raise ValueError.
+    `max_visual_tokens` bounds each image's tiles (0 = unset)."""
     if detail not in DETAILS:
         raise ValueError(f"detail must be one of {sorted(DETAILS)}")
+    if max_visual_tokens < 0:
+        raise ValueError("max_visual_tokens must be >= 0")
     if any(t.role not in ROLES for t in turns):
         raise ValueError(f"a turn's role must be one of {sorted(ROLES)}")
     return gateway_pb2.GenerateRequest(
@@ -109,6 +113,7 @@ def build(
         params=gateway_pb2.GenerationParams(**params),
         profile=profile,
         detail=DETAILS[detail],
+        max_visual_tokens=max_visual_tokens,
         turns=[
             gateway_pb2.Turn(
                 role=ROLES[t.role], text=t.text, media=[gateway_pb2.Media(data=m) for m in t.media]

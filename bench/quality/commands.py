@@ -11,11 +11,14 @@ from typing import Any
 
 
 def add_eval(sub: Any) -> None:
-    e = sub.add_parser("eval", help="accuracy per scenario and compression profile")
+    e = sub.add_parser("eval", help="accuracy per scenario, compression profile and detail level")
     e.add_argument("--model", default="models/demo", help="checkpoint folder (in-process)")
     e.add_argument("--suite", default="synthetic", help="synthetic or jsonl:FILE")
     e.add_argument(
         "--profiles", default="none,low-latency,balanced,high-precision", help="comma-separated"
+    )
+    e.add_argument(
+        "--details", default="", help="comma-separated detail levels (low,auto,high), uncompressed"
     )
     e.add_argument("--seed", type=int, default=0, help="held-out evaluation seed")
     e.add_argument("--n", type=int, default=200, help="items (synthetic) or first N (jsonl)")
@@ -37,6 +40,9 @@ def add_train(model_sub: Any) -> None:
     t.add_argument("--vision-steps", type=int, help="first stage (dense targets)")
     t.add_argument("--minutes", type=float, help="wall-clock cap")
     t.add_argument("--threads", type=int, help="torch threads")
+    t.add_argument("--lr", type=float, help="peak learning rate")
+    t.add_argument("--init", help="start from this trained checkpoint (no first stage)")
+    t.add_argument("--detail-every", type=int, help="every n-th step: resolution scenarios")
     t.set_defaults(fn=_train)
 
 
@@ -66,6 +72,7 @@ def _run_eval(args: argparse.Namespace, evaluate: Any) -> dict[str, Any]:
         model=Path(args.model),
         suite_spec=args.suite,
         profile_names=[p for p in args.profiles.split(",") if p],
+        detail_levels=[d for d in args.details.split(",") if d],
         seed=args.seed,
         n=args.n,
         sweep=args.sweep or args.plot is not None,
@@ -79,7 +86,8 @@ def _run_eval(args: argparse.Namespace, evaluate: Any) -> dict[str, Any]:
 def _train(args: argparse.Namespace) -> int:
     from bench.quality import train
 
-    given = {k: getattr(args, k) for k in ("seed", "steps", "vision_steps", "minutes", "threads")}
+    names = ("seed", "steps", "vision_steps", "minutes", "threads", "lr", "init", "detail_every")
+    given = {k: getattr(args, k) for k in names}
     cfg = train.TrainConfig(**{k: v for k, v in given.items() if v is not None})
     recipe = train.train(Path(args.out), cfg)
     print(json.dumps(recipe))

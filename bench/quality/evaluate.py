@@ -1,12 +1,13 @@
 """`visor eval`: accuracy per scenario, visual tokens and TTFT per compression profile (and, with
-`--sweep`, per pruning method and fraction, merging and pooling).
+`--sweep`, per pruning method and fraction, merging and pooling; with `--details`, per detail
+level, uncompressed).
 
 In-process by default: the gateway's own decode/preprocess step (`gateway.decode`, run here
 without the sandbox: the suite's media is ours), the core's encoder backend, the core's
 compression (`compress_item`, seeded from the request id as the core seeds it) and the core's
 `Engine.generate`. With `--target`, every case goes through a running gateway and core instead.
-Each item is encoded once and its features reused across profiles, as the core's feature cache
-reuses them; its encode time is counted in every profile's TTFT.
+Each item is encoded once per detail level (profiles run at `auto`) and its features reused across
+profiles, as the core's feature cache reuses them; its encode time is counted in every TTFT.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from core.compression import Profile, Step
 SWEEP_METHODS = ("random", "attention", "entropy", "adaptive", "merge")
 SWEEP_PRUNED = (30, 50, 70, 80)  # percent of visual tokens removed
 MAX_NEW_TOKENS = 8
+DETAIL_ORDER = ("low", "auto", "high")  # the request's `detail` levels
+PROFILE_DETAIL = "auto"  # compression profiles are measured at the gateway's default detail
+DETAIL_PROFILE = "none"  # detail levels are measured uncompressed
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +41,7 @@ class Case:
     scenario: str  # the task type the accuracy is grouped by
     question: str  # the prompt
     answer: str  # expected answer (compared after `normalise`)
-    media: bytes  # the encoded image
+    media: tuple[bytes, ...]  # the encoded images, in the order the question shows them
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +51,18 @@ class Outcome:
     ttft_ms: float  # encode + compress + prefill + first token
 
 
-class Runner(Protocol):
-    async def prepare(self, case: Case) -> object: ...
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One evaluated configuration: a compression profile at a detail level."""
 
-    async def answer(self, case: Case, prepared: object, chosen: Profile) -> Outcome: ...
+    profile: Profile  # compression
+    detail: str  # "low", "auto" or "high"
+
+
+class Runner(Protocol):
+    async def prepare(self, case: Case, detail: str) -> object: ...
+
+    async def answer(self, case: Case, prepared: object, chosen: Setting) -> Outcome: ...
 
 
 def normalise(text: str) -> str:
@@ -59,11 +71,11 @@ def normalise(text: str) -> str:
 
 def load_cases(spec: str, seed: int, n: int) -> list[Case]:
     """`synthetic`: `n` held-out items (scenarios rotate); `jsonl:FILE`: one JSON object per
-    line with `image` (a path, relative to the file's folder), `question`, `answer`, `scenario`;
-    `n` > 0 keeps the first `n`."""
+    line with `image` (a path, relative to the file's folder, or a list of them), `question`,
+    `answer`, `scenario`; `n` > 0 keeps the first `n`."""
     if spec == "synthetic":
         return [
-            Case(it.scenario, it.question, it.answer, it.png())
+            Case(it.scenario, it.question, it.answer, it.pngs())
             for it in suite.items(suite.Split.EVAL, seed, n)
         ]
     if spec.startswith("jsonl:"):
@@ -72,12 +84,13 @@ def load_cases(spec: str, seed: int, n: int) -> list[Case]:
         for line in path.read_text().splitlines():
             if line.strip():
                 row = json.loads(line)
+                images = row["image"] if isinstance(row["image"], list) else [row["image"]]
                 cases.append(
                     Case(
                         str(row.get("scenario", "all")),
                         str(row["question"]),
                         str(row["answer"]),
-                        (path.parent / str(row["image"])).read_bytes(),
+                        tuple((path.parent / str(name)).read_bytes() for name in images),
                     )
                 )
         return cases[:n] if n > 0 else cases
@@ -101,9 +114,9 @@ def request_seed(request_id: str) -> int:
 
 @dataclass(frozen=True, slots=True)
 class _Prepared:
-    features: np.ndarray  # (tokens, hidden) projected visual tokens
-    importance: np.ndarray  # (tokens,) pruning scores
-    item: Any  # core.types.ItemSpec
+    features: list[np.ndarray]  # per image: (tokens, hidden) projected visual tokens
+    importance: list[np.ndarray]  # per image: (tokens,) pruning scores
+    items: tuple[Any, ...]  # core.types.ItemSpec per image
     encode_ms: float  # decode-free encode time (features are reused across profiles)
 
 
@@ -112,59 +125,81 @@ class InProcess:
 
     def __init__(self, model_dir: Path, encoder: str = "torch") -> None:
         from core.engine import Engine
+        from gateway.config import LimitsConfig
 
         self.engine = Engine(model_dir, "eval", encoder=encoder)
         info = self.engine.info
         r, g, b = (round(m * 255) for m in info.image_mean[:3])
         self.fill = (r, g, b)
+        self.max_tiles = LimitsConfig().max_tiles  # the gateway's default grid bound
 
-    def pixels(self, media: bytes) -> np.ndarray:
-        """(1, 3, S, S) uint8: the gateway's preprocessing for one `detail=auto` image."""
-        from gateway import decode, sniff
+    def pixels(
+        self, media: bytes, detail: str = "auto", question: str = ""
+    ) -> tuple[np.ndarray, Any]:
+        """(tiles, 3, S, S) uint8 and its `gateway.tiling.Grid`: the gateway's grid choice and
+        preprocessing for one image."""
+        from gateway import decode, sniff, tiling
 
-        size = self.engine.info.image_size
-        spec = decode.Spec(sniff.sniff(media), size, self.fill, 1, 1, (0,), 1 << 26, 1 << 14)
-        return decode.decode(media, spec).items[0]
+        info = self.engine.info
+        fmt = sniff.sniff(media)
+        probe = decode.probe(media, fmt, 1 << 26, 1 << 14, 1)
+        budget = tiling.Budget(info.image_size, self.max_tiles, info.tokens_per_tile)
+        grid = tiling.grid_for(detail, probe.width, probe.height, budget, question)
+        spec = decode.Spec(
+            fmt, info.image_size, self.fill, grid.rows, grid.cols, (0,), 1 << 26, 1 << 14
+        )
+        return decode.decode(media, spec).items[0], grid
 
-    async def prepare(self, case: Case) -> object:
+    async def prepare(self, case: Case, detail: str) -> object:
         from core.types import ItemSpec
 
-        pixels = self.pixels(case.media)
-        t0 = time.perf_counter()
-        feats, scores = await self.engine.run(self.engine.encoder.encode, pixels)
-        encode_ms = (time.perf_counter() - t0) * 1000
         info = self.engine.info
-        item = ItemSpec(
-            hashlib.sha256(case.media).hexdigest(),
-            info.preprocess_version,
-            info.image_size,
-            1,
-            1,
-            "uint8",
-            tuple(pixels.shape),
-        )
-        return _Prepared(feats.reshape(-1, feats.shape[-1]), scores.reshape(-1), item, encode_ms)
+        feats, scores, items, encode_ms = [], [], [], 0.0
+        for media in case.media:
+            pixels, grid = self.pixels(media, detail, case.question)
+            t0 = time.perf_counter()
+            f, sc = await self.engine.run(self.engine.encoder.encode, pixels)
+            encode_ms += (time.perf_counter() - t0) * 1000
+            feats.append(f.reshape(-1, f.shape[-1]))
+            scores.append(sc.reshape(-1))
+            items.append(
+                ItemSpec(
+                    hashlib.sha256(media).hexdigest(),
+                    info.preprocess_version,
+                    info.image_size,
+                    grid.rows,
+                    grid.cols,
+                    "uint8",
+                    tuple(pixels.shape),
+                )
+            )
+        return _Prepared(feats, scores, tuple(items), encode_ms)
 
-    async def answer(self, case: Case, prepared: object, chosen: Profile) -> Outcome:
+    async def answer(self, case: Case, prepared: object, chosen: Setting) -> Outcome:
         from core.model.tokenizer import ChatTurn
         from core.types import InferRequest, Result, SamplingParams
 
         assert isinstance(prepared, _Prepared)
         req = InferRequest(
             tenant="eval",
-            request_id=f"eval-{prepared.item.content_hash[:16]}",
-            turns=(ChatTurn("user", case.question, 1),),
+            request_id=f"eval-{prepared.items[0].content_hash[:16]}",
+            turns=(ChatTurn("user", case.question, len(case.media)),),
             params=SamplingParams(max_new_tokens=MAX_NEW_TOKENS),
-            items=(prepared.item,),
-            profile=chosen.name,
+            items=prepared.items,
+            profile=chosen.profile.name,
         )
         t0 = time.perf_counter()
-        feats = compression.compress_item(
-            prepared.features, prepared.importance, 1, chosen, request_seed(req.request_id)
-        )
+        seed = request_seed(req.request_id)
+        feats = [
+            compression.compress_item(f, imp, item.shape[0], chosen.profile, seed)
+            for f, imp, item in zip(
+                prepared.features, prepared.importance, prepared.items, strict=True
+            )
+        ]
         first: float | None = None
-        text, visual = "", int(feats.shape[0])
-        async for out in self.engine.generate(req, [feats], {}, prepared.features.shape[0]):
+        text, visual = "", sum(int(f.shape[0]) for f in feats)
+        before = sum(int(f.shape[0]) for f in prepared.features)
+        async for out in self.engine.generate(req, feats, {}, before):
             first = first or time.perf_counter()
             if isinstance(out, Result):
                 text, visual = out.text, out.visual_tokens_after
@@ -183,16 +218,17 @@ class Remote:
 
         self.client = Client(target, key, timeout=timeout_s)
 
-    async def prepare(self, case: Case) -> object:
+    async def prepare(self, case: Case, detail: str) -> object:
         return None
 
-    async def answer(self, case: Case, prepared: object, chosen: Profile) -> Outcome:
+    async def answer(self, case: Case, prepared: object, chosen: Setting) -> Outcome:
         t0 = time.perf_counter()
         got = await asyncio.to_thread(
             self.client.ask,
             case.question,
-            [case.media],
-            profile=chosen.name,
+            list(case.media),
+            profile=chosen.profile.name,
+            detail=chosen.detail,
             max_new_tokens=MAX_NEW_TOKENS,
         )
         wall = (time.perf_counter() - t0) * 1000
@@ -218,19 +254,23 @@ def summarise(cases: list[Case], outcomes: list[Outcome]) -> dict[str, Any]:
 
 
 async def evaluate(
-    runner: Runner, cases: list[Case], profiles: dict[str, Profile], progress: bool
+    runner: Runner, cases: list[Case], settings: dict[str, Setting], progress: bool
 ) -> dict[str, dict[str, Any]]:
-    """Every case under every profile; returns the summary per profile name."""
+    """Every case under every setting (prepared once per detail level); returns the summary
+    per setting name."""
     from tqdm import tqdm  # type: ignore[import-untyped]
 
-    outcomes: dict[str, list[Outcome]] = {name: [] for name in profiles}
-    bar = tqdm(total=len(cases) * len(profiles), disable=not progress, unit="answer")
+    outcomes: dict[str, list[Outcome]] = {name: [] for name in settings}
+    levels = sorted({s.detail for s in settings.values()}, key=DETAIL_ORDER.index)
+    bar = tqdm(total=len(cases) * len(settings), disable=not progress, unit="answer")
     try:
         for case in cases:
-            prepared = await runner.prepare(case)
-            for name, chosen in profiles.items():
-                outcomes[name].append(await runner.answer(case, prepared, chosen))
-                bar.update()
+            for level in levels:
+                prepared = await runner.prepare(case, level)
+                for name, chosen in settings.items():
+                    if chosen.detail == level:
+                        outcomes[name].append(await runner.answer(case, prepared, chosen))
+                        bar.update()
     finally:
         bar.close()
     return {name: summarise(cases, got) for name, got in outcomes.items()}
@@ -245,6 +285,21 @@ def split_sweep(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]
     return methods
 
 
+def settings_for(
+    profile_names: Iterable[str], detail_levels: Iterable[str], sweep: bool
+) -> dict[str, Setting]:
+    """Named settings: each profile (and sweep point) at `PROFILE_DETAIL`, and each detail level
+    as `detail:<level>` at `DETAIL_PROFILE`."""
+    out = {name: Setting(compression.profile(name), PROFILE_DETAIL) for name in profile_names}
+    if sweep:
+        out.update({n: Setting(p, PROFILE_DETAIL) for n, p in sweep_profiles().items()})
+    for level in detail_levels:
+        if level not in DETAIL_ORDER:
+            raise ValueError(f"unknown detail {level!r}: low, auto or high")
+        out[f"detail:{level}"] = Setting(compression.profile(DETAIL_PROFILE), level)
+    return out
+
+
 def run(
     *,
     model: Path,
@@ -256,21 +311,24 @@ def run(
     target: str | None,
     key: str,
     progress: bool,
+    detail_levels: Iterable[str] = (),
 ) -> dict[str, Any]:
     """The whole evaluation as the one JSON-ready object `visor eval --json` prints."""
-    chosen = {name: compression.profile(name) for name in profile_names}
     if sweep and target:
         raise ValueError("--sweep runs in-process only: requests cannot pick a method")
-    extra = sweep_profiles() if sweep else {}
+    profile_names, detail_levels = list(profile_names), list(detail_levels)
+    settings = settings_for(profile_names, detail_levels, sweep)
     cases = load_cases(suite_spec, seed, n)
     runner: InProcess | Remote = Remote(target, key) if target else InProcess(model)
     try:
-        results = asyncio.run(evaluate(runner, cases, {**chosen, **extra}, progress))
+        results = asyncio.run(evaluate(runner, cases, settings, progress))
     finally:
         runner.close()
-    out: dict[str, Any] = {"profiles": {name: results[name] for name in chosen}}
+    out: dict[str, Any] = {"profiles": {name: results[name] for name in profile_names}}
     if sweep:
-        out["methods"] = split_sweep({name: results[name] for name in extra})
+        out["methods"] = split_sweep({name: results[name] for name in sweep_profiles()})
+    if detail_levels:
+        out["details"] = {level: results[f"detail:{level}"] for level in detail_levels}
     out["suite"] = {"spec": suite_spec, "seed": seed, "n": len(cases)}
     out["via"] = target or "in-process"
     return out

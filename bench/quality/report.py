@@ -14,10 +14,12 @@ def _row(name: str, r: dict[str, Any], scenarios: list[str]) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    """Accuracy (%) per scenario for every profile, then every method and fraction."""
+    """Accuracy (%) per scenario for every profile, every method and fraction, then every detail
+    level."""
     rows = list(result["profiles"].items())
     for method, by_pruned in result.get("methods", {}).items():
         rows += [(f"{method} {p}% pruned", r) for p, r in by_pruned.items()]
+    rows += [(f"detail={level}", r) for level, r in result.get("details", {}).items()]
     scenarios = sorted({s for _, r in rows for s in r["accuracy"]})
     head = "| setting | visual tokens | " + " | ".join(scenarios) + " | TTFT ms (median) |"
     rule = "|" + " --- |" * (len(scenarios) + 3)

@@ -1,5 +1,8 @@
 """The synthetic task suite: rendered scenes (shapes with colours, sizes and positions; rendered
-numbers) and templated questions in four scenarios, each answered by a short string.
+numbers) and templated questions in six scenarios, each answered by a short string. Four ask about
+one encoder-sized scene; two are where resolution matters: `fine_detail` (a small number in a large
+image: one tile shrinks its digits below legibility, a grid keeps them) and `compare` (two large
+images, one question about both).
 
 Every item is a pure function of (split, seed, index): its random stream is seeded with the
 split's domain tag as the first word of the seed sequence, so a training item and an evaluation
@@ -16,8 +19,15 @@ from functools import lru_cache
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-SCENARIOS = ("counting", "ocr", "spatial", "attribute")
+SINGLE = ("counting", "ocr", "spatial", "attribute")  # one encoder-sized scene each
+DETAIL = ("fine_detail", "compare")  # large images, where the tile grid matters
+SCENARIOS = SINGLE + DETAIL
 SIZE = 224  # the demo encoder's input side: scenes need no resize on the way in
+LARGE = 2 * SIZE  # the side of the two resolution scenarios' images: a 2 x 2 grid at scale 1
+SMALL_FONT = (
+    18,
+    22,
+)  # fine_detail's digit font sizes (px, end exclusive): ~6 px glyphs on one tile
 GRID = 8  # scenes are laid out on GRID x GRID cells, one thing per cell
 CELL = SIZE // GRID  # 28 px: the demo tower's patch, so each shape or digit owns one token
 COLOURS: dict[str, tuple[int, int, int]] = {
@@ -64,25 +74,48 @@ class Item:
     scenario: str  # one of SCENARIOS
     question: str  # what the user asks
     answer: str  # the expected short answer
-    image: Image.Image  # the rendered scene, SIZE x SIZE RGB
-    parts: tuple[Part, ...] = ()  # what was drawn where
+    image: Image.Image  # the rendered scene: SIZE x SIZE RGB (LARGE x LARGE for DETAIL)
+    parts: tuple[Part, ...] = ()  # what was drawn where (in `image`)
     focus: tuple[int, ...] = ()  # indices into `parts` the question is about
+    more: tuple[Image.Image, ...] = ()  # further images the question is about (`compare`)
+
+    @property
+    def images(self) -> tuple[Image.Image, ...]:
+        return (self.image, *self.more)
 
     def png(self) -> bytes:
-        buf = io.BytesIO()
-        self.image.save(buf, "PNG")
-        return buf.getvalue()
+        return self.pngs()[0]
+
+    def pngs(self) -> tuple[bytes, ...]:
+        out = []
+        for img in self.images:
+            buf = io.BytesIO()
+            img.save(buf, "PNG")
+            out.append(buf.getvalue())
+        return tuple(out)
 
 
-def item(split: Split, seed: int, index: int, scenario: str | None = None) -> Item:
-    """The `index`-th item of `split` under `seed`; scenarios rotate unless one is named."""
+def item(
+    split: Split,
+    seed: int,
+    index: int,
+    scenario: str | None = None,
+    scenarios: tuple[str, ...] = SCENARIOS,
+) -> Item:
+    """The `index`-th item of `split` under `seed`; `scenarios` rotate unless one is named."""
     rng = np.random.default_rng([int(split), seed, index])
-    chosen = scenario or SCENARIOS[index % len(SCENARIOS)]
+    chosen = scenario or scenarios[index % len(scenarios)]
     return _BUILDERS[chosen](rng)
 
 
-def items(split: Split, seed: int, n: int, scenario: str | None = None) -> list[Item]:
-    return [item(split, seed, i, scenario) for i in range(n)]
+def items(
+    split: Split,
+    seed: int,
+    n: int,
+    scenario: str | None = None,
+    scenarios: tuple[str, ...] = SCENARIOS,
+) -> list[Item]:
+    return [item(split, seed, i, scenario, scenarios) for i in range(n)]
 
 
 def _background(rng: np.random.Generator) -> Image.Image:
@@ -204,17 +237,70 @@ def _attribute(rng: np.random.Generator) -> Item:
     return Item("attribute", question, asked.colour, img, _parts(shapes), (index,))
 
 
+def _fine_detail(rng: np.random.Generator) -> Item:
+    """A two-digit number in small print (SMALL_FONT) in a LARGE x LARGE scene, laid out like
+    `ocr` on the scene's 16 x 16 cells, inside one quadrant so that no grid cell cuts it: each
+    digit owns one 28 px cell (one token) in a 2 x 2 grid, a quarter of one in a single tile."""
+    number = int(rng.integers(10, 100))
+    img = Image.new("RGB", (LARGE, LARGE), tuple(int(v) for v in rng.integers(225, 256, 3)))
+    font = _font(int(rng.integers(*SMALL_FONT)))
+    ink = tuple(int(v) for v in rng.integers(0, 90, 3))
+    half = LARGE // CELL // 2
+    row = int(rng.integers(2 * half))
+    start = int(rng.integers(2)) * half + int(rng.integers(half - 1))
+    draw = ImageDraw.Draw(img)
+    parts = []
+    for i, ch in enumerate(str(number)):
+        x = (start + i) * CELL + CELL // 2 + int(rng.integers(-2, 3))
+        y = row * CELL + CELL // 2 + int(rng.integers(-2, 3))
+        draw.text((x, y), ch, fill=ink, font=font, anchor="mm")
+        x0, y0, x1, y1 = (int(v) for v in draw.textbbox((x, y), ch, font=font, anchor="mm"))
+        parts.append(Part(ch, "", (x0, y0, x1, y1), i + 1))
+    question = "What small number is written?"
+    return Item("fine_detail", question, str(number), img, tuple(parts), (0, 1))
+
+
+def _large(img: Image.Image) -> Image.Image:
+    """A SIZE scene as a LARGE photo of it: one tile sees the scene as drawn, a grid at 2x."""
+    return img.resize((LARGE, LARGE), Image.Resampling.NEAREST)
+
+
+def _compare(rng: np.random.Generator) -> Item:
+    """Two LARGE scenes of two or three shapes of different kinds; the asked kind is in both,
+    of the same colour in half of the items."""
+    kind = _pick(rng, SHAPES)
+    others = [k for k in SHAPES if k != kind]
+    first = _pick(rng, list(COLOURS))
+    same = bool(rng.integers(2))
+    asked = (first, first if same else _pick(rng, [c for c in COLOURS if c != first]))
+    scenes = []
+    for colour in asked:
+        kinds = [
+            kind,
+            *(str(k) for k in rng.choice(others, int(rng.integers(1, 3)), replace=False)),
+        ]
+        rest = [c for c in COLOURS if c != colour]
+        colours = [colour, *(str(c) for c in rng.choice(rest, len(kinds) - 1, replace=False))]
+        scenes.append(_large(_draw(_background(rng), _shapes(rng, kinds, colours))))
+    question = f"Is the {kind} the same colour in both images?"
+    return Item("compare", question, "yes" if same else "no", scenes[0], more=(scenes[1],))
+
+
 _BUILDERS = {
     "counting": _counting,
     "ocr": _ocr,
     "spatial": _spatial,
     "attribute": _attribute,
+    "fine_detail": _fine_detail,
+    "compare": _compare,
 }
 
 
-def items_range(split: Split, seed: int, start: int, n: int) -> list[Item]:
+def items_range(
+    split: Split, seed: int, start: int, n: int, scenarios: tuple[str, ...] = SCENARIOS
+) -> list[Item]:
     """Items `start` .. `start + n - 1` (training walks the stream batch by batch)."""
-    return [item(split, seed, i) for i in range(start, start + n)]
+    return [item(split, seed, i, None, scenarios) for i in range(start, start + n)]
 
 
 @dataclass(frozen=True, slots=True)

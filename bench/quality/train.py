@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from bench.quality import suite, targets
+from bench.quality import suite, targets, train_detail
 from core.model import demo, llava
 from core.model.llava import Llava
 from core.model.text import Attention, DecoderLayer, _rotate
@@ -61,6 +62,9 @@ class TrainConfig:
     relation_layer: int = 1  # decoder layer whose output the relation target reads
     answer_layer: int = 2  # layer whose head 0, where an answer starts, reads the last anchor word
     questions: int = 4  # questions asked about each training image, its own first
+    init: str = ""  # a trained checkpoint to start from (no first stage); "" = a fresh build
+    detail_every: int = 3  # every n-th step is a batch of the resolution scenarios (0: none)
+    detail_batch: int = 12  # items per such batch (each of up to ten tiles)
 
     def validate(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or self.threads < 1:
@@ -69,6 +73,8 @@ class TrainConfig:
             raise ValueError("lr in (0, 1), minutes > 0, warmup >= 0")
         if not (0 <= self.full_fraction <= 1 and 0 <= self.jpeg_fraction <= 1):
             raise ValueError("fractions must lie in [0, 1]")
+        if self.detail_every < 0 or self.detail_batch < 1:
+            raise ValueError("detail_every >= 0 and detail_batch >= 1")
 
 
 def _pixels(items: list[suite.Item], rng: np.random.Generator, jpeg: float) -> torch.Tensor:
@@ -444,12 +450,12 @@ def _lr(cfg: TrainConfig, step: int) -> float:
 
 
 def train(out: Path, cfg: TrainConfig, log_every: int = 50) -> dict[str, object]:
-    """Builds the demo checkpoint at `out` (random init, seeded), trains it, overwrites its
-    weights and records the recipe in config.json's `visor_demo` block."""
+    """Builds the demo checkpoint at `out` (random init, seeded; or a copy of `cfg.init`), trains
+    it, overwrites its weights and records the recipe in config.json's `visor_demo` block."""
     cfg.validate()
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    demo.build(out, seed=cfg.seed)
+    base = _start(out, cfg)
     model = llava.load(out).train()
     tok = ChatTokenizer(out, model.cfg.image_token_id)
     rng = np.random.default_rng([int(suite.Split.TRAIN), cfg.seed, 1 << 30])
@@ -470,11 +476,21 @@ def train(out: Path, cfg: TrainConfig, log_every: int = 50) -> dict[str, object]
     while step < cfg.steps and time.perf_counter() < deadline:
         for group in opt.param_groups:
             group["lr"] = _lr(cfg, step) * group["scale"]
-        batch = suite.items_range(
-            suite.Split.TRAIN, cfg.seed, step * cfg.batch_size, cfg.batch_size
-        )
-        first_stage = step < min(cfg.vision_steps, cfg.steps // 5)
-        loss, correct = step_loss(model, head, relation, tok, batch, rng, cfg, first_stage)
+        first_stage = not cfg.init and step < min(cfg.vision_steps, cfg.steps // 5)
+        if not first_stage and cfg.detail_every and step % cfg.detail_every == cfg.detail_every - 1:
+            start = step // cfg.detail_every * cfg.detail_batch
+            batch = suite.items_range(
+                suite.Split.TRAIN, cfg.seed, start, cfg.detail_batch, suite.DETAIL
+            )
+            loss, correct = train_detail.detail_loss(
+                model, head, tok, batch, rng, cfg.dense_weight, _pad_id(tok)
+            )
+        else:
+            start = step * cfg.batch_size
+            batch = suite.items_range(
+                suite.Split.TRAIN, cfg.seed, start, cfg.batch_size, suite.SINGLE
+            )
+            loss, correct = step_loss(model, head, relation, tok, batch, rng, cfg, first_stage)
         if not first_stage:
             for it, ok in zip(batch, correct.tolist(), strict=True):
                 hits[it.scenario].append(bool(ok))
@@ -491,7 +507,23 @@ def train(out: Path, cfg: TrainConfig, log_every: int = 50) -> dict[str, object]
                 shown = " ".join(f"{k} {v:.3f}" for k, v in h.accuracy.items())
                 print(f"  {name} {shown}", flush=True)
     llava.save(model.eval(), out / "model.safetensors")
-    return _record(out, cfg, step, (time.perf_counter() - t0) / 60, running)
+    return _record(out, cfg, step, (time.perf_counter() - t0) / 60, running, base)
+
+
+def _start(out: Path, cfg: TrainConfig) -> object:
+    """Writes the starting checkpoint at `out`: a fresh build, or a copy of `cfg.init` (then
+    returns the init's own recipe, kept in the new one's as `base`)."""
+    if not cfg.init:
+        demo.build(out, seed=cfg.seed)
+        return None
+    src = Path(cfg.init)
+    base = json.loads((src / "config.json").read_text()).get("visor_demo")
+    if src.resolve() != out.resolve():
+        out.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.is_file():
+                shutil.copy2(f, out / f.name)
+    return base
 
 
 def _log(step: int, steps: int, loss: float, hits: dict[str, list[bool]], elapsed: float) -> None:
@@ -500,7 +532,7 @@ def _log(step: int, steps: int, loss: float, hits: dict[str, list[bool]], elapse
 
 
 def _record(
-    out: Path, cfg: TrainConfig, step: int, minutes: float, loss: float
+    out: Path, cfg: TrainConfig, step: int, minutes: float, loss: float, base: object = None
 ) -> dict[str, object]:
     """Writes the recipe into config.json's `visor_demo` block and returns it."""
     recipe = {
@@ -514,11 +546,17 @@ def _record(
         "minutes": round(minutes, 1),
         "threads": cfg.threads,
         "final_loss": round(loss, 4),
+        "detail_every": cfg.detail_every,
+        "detail_batch": cfg.detail_batch,
         "command": (
             f"visor model train-demo --out {out} --seed {cfg.seed} --steps {cfg.steps} "
             f"--vision-steps {cfg.vision_steps} --minutes {cfg.minutes:g} --threads {cfg.threads}"
+            f" --lr {cfg.lr:g} --detail-every {cfg.detail_every}"
+            + (f" --init {cfg.init}" if cfg.init else "")
         ),
     }
+    if base is not None:
+        recipe["base"] = base  # the recipe of the checkpoint this run started from
     config_path = out / "config.json"
     raw = json.loads(config_path.read_text())
     raw["visor_demo"] = recipe

@@ -58,7 +58,7 @@ def one_input(data: bytes) -> None:
             p = video.probe(data, fmt, VIDEO_LIMITS, MAX_PIXELS, MAX_SIDE)
         else:
             p = decode.probe(data, fmt, MAX_PIXELS, MAX_SIDE, MAX_FRAMES)
-        grid = tiling.grid_for("high", p.width, p.height, TILE, 4)
+        grid = tiling.grid_for("high", p.width, p.height, tiling.Budget(TILE, 4))
         frames = tiling.sample_frames(p.num_frames, 3)
         if fmt in sniff.VIDEO:
             frames = tuple(range(min(p.num_frames, VIDEO_LIMITS.max_samples)))

@@ -16,7 +16,22 @@ from bench.quality import evaluate, suite
 from tests.conftest import ROOT, Stack
 
 MODEL = ROOT / "models" / "demo"
-BASELINE_N = 400  # 100 per scenario: one item is one point
+BASELINE_N = 600  # 100 per scenario: one item is one point
+PER_TILE = 64  # the demo encoder's visual tokens per tile
+# Tiles per item of each scenario at each detail level (fine_detail: one 448 px image, a 2 x 2
+# grid and its thumbnail where the question asks to read; compare: two 448 px images, one tile
+# each for its colour question at `auto`).
+TILES = {
+    "low": {"fine_detail": 1, "compare": 2},
+    "auto": {"fine_detail": 5, "compare": 2},
+    "high": {"fine_detail": 5, "compare": 10},
+}
+
+
+def _mean_tokens(scenarios: list[str], level: str, kept: int = PER_TILE) -> float:
+    """Mean visual tokens per item over `scenarios` (one per item) when each tile keeps `kept`."""
+    tiles = [TILES[level].get(s, 1) for s in scenarios]
+    return round(sum(tiles) * kept / len(tiles), 2)
 
 
 def _eval(*args: str) -> dict[str, Any]:
@@ -53,17 +68,20 @@ def test_eval_reproduces_the_documented_baseline() -> None:
     assert set(got["accuracy"]) == set(expected) == set(suite.SCENARIOS)
     for scenario, accuracy in expected.items():
         assert abs(got["accuracy"][scenario] - accuracy) <= 0.03, (scenario, got, expected)
-    assert got["visual_tokens"] == 64 and got["ttft_ms"] > 0
+    assert got["visual_tokens"] == _mean_tokens(list(suite.SCENARIOS), "auto")
+    assert got["ttft_ms"] > 0
     assert result["suite"] == {"spec": "synthetic", "seed": 0, "n": BASELINE_N}
 
 
 def _write_jsonl(folder: Path, n: int) -> Path:
     rows = []
     for i, it in enumerate(suite.items(suite.Split.EVAL, 9, n)):
-        name = f"img{i}.png"
-        (folder / name).write_bytes(it.png())
+        names = [f"img{i}-{k}.png" for k in range(len(it.images))]
+        for name, png in zip(names, it.pngs(), strict=True):
+            (folder / name).write_bytes(png)
+        image: str | list[str] = names[0] if len(names) == 1 else names
         rows.append(
-            {"image": name, "question": it.question, "answer": it.answer, "scenario": it.scenario}
+            {"image": image, "question": it.question, "answer": it.answer, "scenario": it.scenario}
         )
     path = folder / "cases.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -88,10 +106,13 @@ def test_jsonl_suite_matches_the_synthetic_path_and_plots(tmp_path: Path) -> Non
     assert set(none["accuracy"]) == set(suite.SCENARIOS)
     for name in ("none", "balanced"):  # files on disk answer exactly as the rendered items
         assert result["profiles"][name]["accuracy"] == same["profiles"][name]["accuracy"]
-    assert none["visual_tokens"] == 64 and balanced["visual_tokens"] == 32
+    scenarios = [suite.SCENARIOS[i % len(suite.SCENARIOS)] for i in range(8)]
+    assert none["visual_tokens"] == _mean_tokens(scenarios, "auto")
+    assert balanced["visual_tokens"] == _mean_tokens(scenarios, "auto", PER_TILE // 2)
     assert set(result["methods"]) == {*evaluate.SWEEP_METHODS, "pool"}
-    assert result["methods"]["attention"]["80"]["visual_tokens"] == 13
-    assert result["methods"]["pool"]["75"]["visual_tokens"] == 16
+    attention = result["methods"]["attention"]["80"]["visual_tokens"]
+    assert attention == _mean_tokens(scenarios, "auto", 13)
+    assert result["methods"]["pool"]["75"]["visual_tokens"] == _mean_tokens(scenarios, "auto", 16)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -118,3 +139,23 @@ def test_target_path_answers_as_in_process(stack: Stack, tmp_path: Path) -> None
     for name in ("none", "balanced"):
         assert remote["profiles"][name]["accuracy"] == local["profiles"][name]["accuracy"]
         assert remote["profiles"][name]["visual_tokens"] == local["profiles"][name]["visual_tokens"]
+
+
+def test_details_report_accuracy_and_visual_tokens_per_level() -> None:
+    result = _eval(
+        "--model", str(MODEL), "--n", "6", "--profiles", "", "--details", "low,auto,high"
+    )
+    assert result["profiles"] == {} and list(result["details"]) == ["low", "auto", "high"]
+    for level, got in result["details"].items():
+        assert set(got["accuracy"]) == set(suite.SCENARIOS)
+        assert all(0 <= v <= 1 for v in got["accuracy"].values())
+        assert got["visual_tokens"] == _mean_tokens(list(suite.SCENARIOS), level), level
+    # The four encoder-sized scenarios are one tile at every level: same answers.
+    for scenario in suite.SINGLE:
+        assert len({r["accuracy"][scenario] for r in result["details"].values()}) == 1
+
+
+def test_details_argument_is_checked() -> None:
+    cmd = [sys.executable, "-m", "visor.cli", "eval", "--n", "1", "--details", "low,ultra"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and "unknown detail" in done.stderr

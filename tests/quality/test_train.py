@@ -53,7 +53,7 @@ def test_batched_training_forward_matches_the_engine_path(tmp_path: Path) -> Non
 def test_anchor_words_are_found_and_name_their_shapes(tmp_path: Path) -> None:
     out = demo.build(tmp_path / "m", seed=0)
     tok = ChatTokenizer(out, llava.load(out).cfg.image_token_id)
-    items = suite.items(suite.Split.TRAIN, 1, 12)
+    items = suite.items(suite.Split.TRAIN, 1, 12, scenarios=suite.SINGLE)
     convs = [train.conversation(it, np.random.default_rng(i), 4) for i, it in enumerate(items)]
     grid, patch = 8, suite.CELL
     masks = train.anchor_masks(items, convs, grid, patch)
@@ -101,7 +101,7 @@ def test_anchor_words_are_found_and_name_their_shapes(tmp_path: Path) -> None:
 
 
 def test_relation_targets_sit_at_the_second_noun_and_agree_with_the_answer() -> None:
-    items = suite.items(suite.Split.TRAIN, 2, 40)
+    items = suite.items(suite.Split.TRAIN, 2, 40, scenarios=suite.SINGLE)
     convs = [train.conversation(it, np.random.default_rng(i), 4) for i, it in enumerate(items)]
     goal = train.relation_targets(items, convs, 16)
     seen = 0
@@ -139,3 +139,45 @@ def test_a_short_training_run_writes_a_trained_llava_checkpoint(tmp_path: Path) 
     trained, untrained = llava.load(out), llava.load(demo.build(tmp_path / "init", seed=5))
     assert trained.encoder_digest() != untrained.encoder_digest()  # the weights moved
     assert not any(name.startswith("aux") for name in trained.state_dict())  # head discarded
+
+
+def test_resolution_batches_hold_the_gateways_tiles_and_the_engines_prompt(tmp_path: Path) -> None:
+    from bench.quality import train_detail
+
+    out = demo.build(tmp_path / "m", seed=3)
+    model = llava.load(out)
+    tok = ChatTokenizer(out, model.cfg.image_token_id)
+    fine = suite.item(suite.Split.TRAIN, 0, 0, "fine_detail")
+    compare = suite.item(suite.Split.TRAIN, 0, 1, "compare")
+    size, patch = model.cfg.vision.image_size, model.cfg.vision.patch_size
+    fill = (0, 0, 0)
+    tiles, grid = train_detail.tiles(fine.image, "auto", fine.question, size, fill)
+    assert tiles.shape == (5, 3, size, size) and (grid.rows, grid.cols) == (2, 2)
+    for img in compare.images:  # a colour question: one tile each at `auto`
+        assert train_detail.tiles(img, "auto", compare.question, size, fill)[0].shape[0] == 1
+    # The dense targets of the grid's cells mark the digits where the cells show them.
+    dense = train_detail.cell_targets(fine, grid, size, patch)
+    marked = {(c, t) for c, t in zip(*np.nonzero(dense[..., 5]), strict=True)}  # the digit head
+    assert len({c for c, _ in marked}) == 1 and len(marked) >= 2
+    counts = [[5 * 64], [64, 64]]
+    ids, labels = train_detail._rows(tok, [fine, compare], counts, 2, 0)
+    for row, it, n in zip(ids.tolist(), (fine, compare), counts, strict=True):
+        prompt = tok.encode_chat([ChatTurn("user", it.question, len(it.images))], n)
+        assert row[: len(prompt)] == prompt
+        assert row.count(model.cfg.image_token_id) == sum(n)
+    assert bool((labels[0] != train_detail.IGNORE).any())
+
+
+def test_init_continues_a_trained_checkpoint(tmp_path: Path) -> None:
+    start = demo.build(tmp_path / "start", seed=5)
+    base = json.loads((start / "config.json").read_text()).get("visor_demo")
+    out = tmp_path / "tuned"
+    cmd = [sys.executable, "-m", "visor.cli", "model", "train-demo", "--out", str(out)]
+    args = ["--init", str(start), "--steps", "2", "--detail-every", "1", "--lr", "1e-3"]
+    done = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    recipe = json.loads(done.stdout.strip().splitlines()[-1])
+    assert recipe["steps"] == 2 and recipe["detail_every"] == 1 and recipe["base"] == base
+    assert f"--init {start}" in str(recipe["command"])
+    assert (out / "tokenizer.json").read_bytes() == (start / "tokenizer.json").read_bytes()
+    assert llava.load(out).encoder_digest() != llava.load(start).encoder_digest()
