@@ -60,7 +60,7 @@ def test_native_items_count_tokens_by_the_rule(engine: Engine) -> None:
     inputs = _inputs(engine, NATIVE)
     still = _item(NATIVE, 20, 30, (1, 3, 560, 840))  # H != W
     video = _item(NATIVE, 20, 30, (4, 3, 560, 840))  # two temporal patches
-    _, counts = inputs.check(_req(still, video))
+    _, counts, _ = inputs.check(_req(still, video))
     assert counts == (600, 1200)
 
 
@@ -78,7 +78,7 @@ def test_native_shapes_that_break_the_rule_are_refused(engine: Engine) -> None:
 
 def test_fixed_items_count_views_and_bound_crops(engine: Engine) -> None:
     inputs = _inputs(engine, FIXED)
-    _, counts = inputs.check(
+    _, counts, _ = inputs.check(
         _req(_item(FIXED, 1, 1, (1, 3, 896, 896)), _item(FIXED, 1, 3, (4, 3, 896, 896)))
     )
     assert counts == (256, 1024)
