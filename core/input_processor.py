@@ -175,6 +175,14 @@ class InputProcessor:
         counts = []
         for item in items:
             self._check_item(item)
+            if rule.kind == "native" and item.shape[0] > 1:
+                # The prompt would show it as an image; as a video its rope positions need the
+                # frames' timing, which no item carries yet.
+                raise VisorError(
+                    Reason.INVALID_REQUEST,
+                    "this core's model (native preprocessing) serves still images only: send "
+                    "one frame per item (the gateway's max_sampled_frames = 1)",
+                )
             if rule.kind == "tiles":
                 views = item.shape[0]
                 counts.append(compression.visual_tokens(rule.tokens_per_tile, views, chosen))
