@@ -12,8 +12,8 @@ the faster (the timings are logged).
 
 Families other than LLaVA (Qwen2.5-VL, Gemma 3) bring their own encode of one item
 (`ItemModel.encode_item`), run by `ItemEncoder` with torch on the core's device: no ONNX export
-of their towers exists yet, so naming `onnxruntime`, `tensorrt` or `auto` for them logs one
-`encoder_backend_unavailable` line and serves torch.
+of their towers exists yet, so naming `onnxruntime` or `tensorrt` for them logs one
+`encoder_backend_unavailable` warning and serves torch (`auto`: the same line at info level).
 """
 
 from __future__ import annotations
@@ -273,12 +273,13 @@ def build(
     if backend not in BACKENDS:
         raise ValueError(f"unknown encoder backend {backend!r}; one of {BACKENDS}")
     if not isinstance(model, Llava):
-        if backend != "torch":
-            log.warning(
+        if backend != "torch":  # one line: a warning when the operator named the backend
+            say = log.info if backend == "auto" else log.warning
+            say(
                 "encoder_backend_unavailable",
-                backend=backend,
+                reason=f"{backend} has no export of this family's encoder",
                 model=type(model).__name__,
-                serving="torch",
+                backend="torch",
             )
         return ItemEncoder(model, device, per_view)
     if backend == "torch":

@@ -13,6 +13,7 @@ its own bidirectional run)."""
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,12 +264,19 @@ def test_hub_layout_serves_the_same_answer(
     tmp_path_factory: pytest.TempPathFactory, gemma: Family, shared: dict[str, str]
 ) -> None:
     """The Hub's layout of the Gemma checkpoint (flat processor config, old rope keys, the
-    template in tokenizer_config.json, other tensor names) answers as the saved one does."""
+    template in tokenizer_config.json, other tensor names) answers as the saved one does; a
+    core told to use TensorRT for it says in one line that it serves torch."""
     root = tmp_path_factory.mktemp("gemma-hub")
     gemma_hub_copy(Path(gemma.stack.env["VISOR_CORE_MODEL"]), root / "hub")
-    stack = _stack(root / "hub", root / "logs", shared)
+    stack = _stack(root / "hub", root / "logs", {**shared, "VISOR_CORE_ENCODER": "tensorrt"})
     try:
         media = [WIDE]
         assert _ask(stack, media).text == gemma.reference(media).text
     finally:
         stop_stack(stack)
+    text = (root / "logs" / "core.log").read_text()
+    lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    said = [r for r in lines if r.get("event") == "encoder_backend_unavailable"]
+    assert len(said) == 1 and said[0]["level"] == "warning", text[-2000:]
+    assert said[0]["backend"] == "torch" and said[0]["reason"].startswith("tensorrt has no")
+    assert "Traceback" not in text
