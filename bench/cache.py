@@ -22,7 +22,7 @@ import numpy as np
 
 from core import encoders
 from core.cache import Entry, FeatureCache, tune_malloc
-from core.engine import Engine, tiled
+from core.engine import Engine, item_encoder
 from core.model.tokenizer import ChatTurn
 from core.types import InferRequest, SamplingParams
 from core.vision_queue import VisionQueue
@@ -149,7 +149,7 @@ def _throughput(engine: Engine, artifacts: Path) -> dict[str, Any]:
     size = engine.info.image_size
     out: dict[str, Any] = {}
     for name in ("torch", "onnxruntime"):
-        enc = encoders.build(name, tiled(engine.model), artifacts)
+        enc = encoders.build(name, item_encoder(engine.model), artifacts)
         for batch in (1, 8):
             pixels = np.random.default_rng(batch).integers(
                 0, 256, (batch, 3, size, size), dtype=np.uint8

@@ -19,7 +19,8 @@ import grpc
 import numpy as np
 import torch
 
-from core.engine import Engine, tiled
+from core.engine import Engine
+from core.model.llava import Llava
 from shared.proto import core_pb2, core_pb2_grpc
 from shared.wire import chunks
 
@@ -43,7 +44,8 @@ class _Sink(core_pb2_grpc.CoreServicer):
         assert header is not None
         size = self.engine.info.image_size
         shape = (self.tiles, 3, size, size)
-        model = tiled(self.engine.model)
+        model = self.engine.model
+        assert isinstance(model, Llava)  # the demo model: the wire bench times LLaVA's tiles
         with torch.inference_mode():
             if header.items[0].dtype == "uint8":
                 pixels = model.normalize(torch.frombuffer(buf, dtype=torch.uint8).view(shape))

@@ -9,6 +9,11 @@ cannot (TensorRT absent, no CUDA device, a failed build or load) it logs one `te
 line and serves `torch` instead of stopping the core. `auto` on a CUDA device tries TensorRT
 the same way; on the CPU it times torch and ONNX Runtime on a batch of 4 tiles at start and keeps
 the faster (the timings are logged).
+
+Families other than LLaVA (Qwen2.5-VL, Gemma 3) bring their own encode of one item
+(`ItemModel.encode_item`), run by `ItemEncoder` with torch on the core's device: no ONNX export
+of their towers exists yet, so naming `onnxruntime` or `tensorrt` for them logs one
+`encoder_backend_unavailable` warning and serves torch (`auto`: the same line at info level).
 """
 
 from __future__ import annotations
@@ -38,11 +43,39 @@ log = logs.get("core.encoders")
 
 class Encoder(Protocol):
     name: str
+    # True: output rows are the input's views (tiles), so items of one view shape may share a
+    # batch and be split back by views. False: one item per call, one row out (native items,
+    # whose tokens come from attention over the whole item).
+    per_view: bool
 
     def encode(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(tiles, 3, H, W) uint8 -> features (tiles, tokens, hidden) float32 and importance
-        (tiles, tokens) float32."""
+        """(views, 3, H, W) uint8 -> features (rows, tokens, hidden) float32 and importance
+        (rows, tokens) float32; rows = views when `per_view`, else 1."""
         ...
+
+
+class ItemModel(Protocol):
+    """A family that encodes its own items (`core.model.qwen2_5_vl.QwenVL`, `gemma3.Gemma3`)."""
+
+    def encode_item(self, pixels_u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One item's uint8 (views or frames, 3, H, W), on the model's device -> features
+        (tokens, hidden) and importance (tokens,), in prompt order."""
+        ...
+
+
+class _Stream:
+    """On CUDA, a stream of the encoder's own, so its kernels overlap the language model's."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream: torch.cuda.Stream | None = None
+
+    def __call__(self) -> contextlib.AbstractContextManager[object]:
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        return torch.cuda.stream(self._stream)
 
 
 class _Graph(nn.Module):
@@ -89,13 +122,14 @@ class TorchEncoder:
     runs on a stream of its own, so its kernels overlap the language model's."""
 
     name = "torch"
+    per_view = True
 
     def __init__(
         self, model: Llava, device: torch.device = CPU, dtype: torch.dtype = torch.float32
     ) -> None:
         self.graph = _Graph(model).place(device, dtype).eval()
         self.device, self.dtype = device, dtype
-        self._stream: torch.cuda.Stream | None = None
+        self._on_stream = _Stream(device)
 
     @torch.inference_mode()
     def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,12 +144,26 @@ class TorchEncoder:
             # .cpu() waits for this stream only, not for the language model's kernels
             return feats.cpu().numpy(), scores.cpu().numpy()
 
-    def _on_stream(self) -> contextlib.AbstractContextManager[object]:
-        if self.device.type != "cuda":
-            return contextlib.nullcontext()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-        return torch.cuda.stream(self._stream)
+
+class ItemEncoder:
+    """A family's `encode_item` run eagerly where its weights are (loaded on the core's device in
+    its dtype), the uint8 item going over as it is. `per_view`: the family's tokens are per view
+    (Gemma 3's fixed views), so rows come back split by view and items may share a batch."""
+
+    name = "torch"
+
+    def __init__(self, model: ItemModel, device: torch.device, per_view: bool) -> None:
+        self.model, self.device, self.per_view = model, device, per_view
+        self._on_stream = _Stream(device)
+
+    def encode(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        host = torch.from_numpy(np.array(pixels, copy=True))
+        rows = pixels.shape[0] if self.per_view else 1
+        with self._on_stream(), torch.inference_mode():
+            feats, scores = self.model.encode_item(host.to(self.device, non_blocking=True))
+            # .cpu() waits for this stream only, not for the language model's kernels
+            out = feats.float().cpu().numpy(), scores.float().cpu().numpy()
+        return out[0].reshape(rows, -1, out[0].shape[-1]), out[1].reshape(rows, -1)
 
 
 def export_onnx(model: Llava, folder: Path, dtype: torch.dtype = torch.float32) -> Path:
@@ -152,6 +200,7 @@ def export_onnx(model: Llava, folder: Path, dtype: torch.dtype = torch.float32) 
 
 class OnnxRuntimeEncoder:
     name = "onnxruntime"
+    per_view = True
 
     def __init__(self, onnx_path: Path, num_threads: int = 0) -> None:
         import onnxruntime as ort
@@ -210,16 +259,29 @@ def _time(encoder: Encoder, pixels: np.ndarray, repeats: int = 3) -> float:
 
 def build(
     backend: str,
-    model: Llava,
+    model: Llava | ItemModel,
     artifacts: Path,
     num_threads: int = 0,
     device: torch.device = CPU,
     dtype: torch.dtype = torch.float32,
+    per_view: bool = True,
 ) -> Encoder:
     """Builds the named backend on `device` in `dtype` (see the module docstring for `auto`).
-    ONNX Runtime runs on the CPU in float32 whatever the device."""
+    ONNX Runtime runs on the CPU in float32 whatever the device. A family with its own
+    `encode_item` is served by torch whatever the backend named; `per_view` says whether its
+    tokens are per view."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown encoder backend {backend!r}; one of {BACKENDS}")
+    if not isinstance(model, Llava):
+        if backend != "torch":  # one line: a warning when the operator named the backend
+            say = log.info if backend == "auto" else log.warning
+            say(
+                "encoder_backend_unavailable",
+                reason=f"{backend} has no export of this family's encoder",
+                model=type(model).__name__,
+                backend="torch",
+            )
+        return ItemEncoder(model, device, per_view)
     if backend == "torch":
         return TorchEncoder(model, device, dtype)
     if backend == "tensorrt" or (backend == "auto" and device.type == "cuda"):

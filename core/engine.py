@@ -29,7 +29,7 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 import torch
@@ -42,7 +42,7 @@ from core.generate import TextStream, token_logprobs
 from core.input_processor import Admitted, InputProcessor
 from core.model import paged
 from core.model.config import ModelConfigError
-from core.model.family import VisionLanguageModel, load_model, sliding_windows
+from core.model.family import VisionLanguageModel, load_model, model_type, sliding_windows
 from core.model.llava import Llava
 from core.model.preprocessing import rule_for
 from core.model.tokenizer import ChatTokenizer
@@ -73,12 +73,12 @@ class VisualItem:
     kept: Kept | None = None  # the tokens compression kept; None = every one
 
 
-def tiled(model: VisionLanguageModel) -> Llava:
-    """The model, as the tiled encoder backends and `CoreInfo`'s geometry take it (LLaVA's
-    today; other families bring their own)."""
-    if not isinstance(model, Llava):
-        raise ModelConfigError(f"{type(model).__name__}: no vision encoder backend serves it yet")
-    return model
+def item_encoder(model: VisionLanguageModel) -> Llava | encoders.ItemModel:
+    """The model as an encoder backend takes it: LLaVA's tiled graph, or a family's own
+    `encode_item`; ModelConfigError for a model that has neither."""
+    if isinstance(model, Llava) or callable(getattr(model, "encode_item", None)):
+        return cast(Llava | encoders.ItemModel, model)
+    raise ModelConfigError(f"{type(model).__name__}: no vision encoder backend serves it")
 
 
 class _Inbox:
@@ -132,15 +132,16 @@ class Engine:
             torch.set_num_threads(num_threads)
         self.device, self.dtype = resolve(device, dtype)
         self.model: VisionLanguageModel = load_model(model_dir, self.device, self.dtype)
-        cfg = tiled(self.model).cfg
-        self.tokenizer = ChatTokenizer(model_dir, cfg.image_token_id)
+        cfg = self.model.cfg
+        layout = getattr(self.model, "image_layout", None)  # Gemma 3's views in the prompt
+        self.tokenizer = ChatTokenizer(model_dir, cfg.image_token_id, layout)
         eos = self.tokenizer.tok.token_to_id(self.tokenizer.eos_token)
         self.eos_ids = set(cfg.text.eos_token_id) | ({eos} if eos is not None else set())
         self.info = CoreInfo(
             core_id=core_id,
             model_id=model_dir.resolve().name,
             encoder_digest=self.model.encoder_digest(),
-            rule=rule_for(model_dir, "llava"),
+            rule=rule_for(model_dir, model_type(model_dir)),
             accepted_dtypes=("uint8",),
         )
         self.batch_invariant = batch_invariant
@@ -156,7 +157,13 @@ class Engine:
         self._thread.start()
         folder = artifacts or model_dir / ".visor"
         self.encoder = encoders.build(
-            encoder, tiled(self.model), folder.expanduser(), num_threads, self.device, self.dtype
+            encoder,
+            item_encoder(self.model),
+            folder.expanduser(),
+            num_threads,
+            self.device,
+            self.dtype,
+            per_view=self.info.rule.kind != "native",
         )
 
     def _build(self, sc: SchedulerConfig, gpu_memory_fraction: float) -> None:

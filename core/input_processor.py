@@ -51,6 +51,7 @@ class Admitted:
     req: InferRequest  # as it arrived
     prompt_ids: tuple[int, ...]  # tokenised once; one id per image slot, expanded at generation
     num_visual: tuple[int, ...]  # per item, visual tokens admission counted (the most)
+    slots: tuple[int, ...]  # per item, its image slots in the prompt (Gemma 3: views; else 1)
     seed: int  # sampling seed: the request's own, else derived from its id
     grammar: Grammar | None  # compiled response format; None = free text
     slot: QueueSlot  # its place in the scheduler's queue until the scheduler has it
@@ -96,7 +97,7 @@ class InputProcessor:
 
         `visual`: the visual tokens of features already at hand (in-process callers), counted
         instead of the declared items; `prompt_ids`: a text-only prompt already tokenised."""
-        ids, counts = self.check(req, visual, prompt_ids)
+        ids, counts, slots = self.check(req, visual, prompt_ids)
         slot = self._reserve()
         try:
             grammar = await self.grammars.admit(req.params.response_format)
@@ -105,17 +106,18 @@ class InputProcessor:
             raise
         p = req.params
         seed = p.seed or int.from_bytes(hashlib.sha256(req.request_id.encode()).digest()[:8])
-        return Admitted(req, tuple(ids), counts, seed, grammar, slot)
+        return Admitted(req, tuple(ids), counts, slots, seed, grammar, slot)
 
     def check(
         self,
         req: InferRequest,
         visual: list[int] | None = None,
         prompt_ids: list[int] | None = None,
-    ) -> tuple[list[int], tuple[int, ...]]:
-        """Refuses what this core cannot serve; returns the prompt ids (one per image slot) and
-        each item's visual tokens. Visual tokens are counted from the declared grids and text
-        tokens with one token per image slot, before any pixel or token exists."""
+    ) -> tuple[list[int], tuple[int, ...], tuple[int, ...]]:
+        """Refuses what this core cannot serve; returns the prompt ids (one per image slot),
+        each item's visual tokens and its image slots. Visual tokens are counted from the
+        declared grids and text tokens with one token per image slot, before any pixel or token
+        exists. A fixed-view item (Gemma 3) has a slot per view, each laid out by the template."""
         p = req.params
         check_sampling(p.temperature, p.top_p, p.top_k, p.min_new_tokens, p.max_new_tokens)
         check_stop(p.stop, self.max_stop_strings, self.max_stop_bytes)
@@ -133,17 +135,28 @@ class InputProcessor:
             counts = tuple(visual)
         if sum(t.num_images for t in req.turns) != len(counts):
             raise VisorError(Reason.INVALID_REQUEST, "turns show a different number of items")
-        ids = self.tokenizer.encode_prompt(list(req.turns)) if prompt_ids is None else prompt_ids
-        if ids.count(self.tokenizer.image_token_id) != len(counts):
+        slots = self._slots(req.items, len(counts))
+        if prompt_ids is None:
+            ids = self.tokenizer.encode_prompt(list(req.turns), list(slots))
+        else:
+            ids = prompt_ids
+        if ids.count(self.tokenizer.image_token_id) != sum(slots):
             raise VisorError(Reason.INVALID_REQUEST, "the chat template has other image places")
-        total = len(ids) - len(counts) + sum(counts) + p.max_new_tokens
+        total = len(ids) - sum(slots) + sum(counts) + p.max_new_tokens
         if total > self.max_request_tokens:
             raise VisorError(
                 Reason.TOKEN_BUDGET,
                 f"request needs more than the {self.max_request_tokens} tokens "
                 "(visual + text + max_new_tokens) one request may hold",
             )
-        return ids, counts
+        return ids, counts, slots
+
+    def _slots(self, items: tuple[ItemSpec, ...], num_items: int) -> tuple[int, ...]:
+        """Each item's image slots: its views where the tokenizer lays images out view by view
+        (Gemma 3: each view its own run of tokens, as its processor writes them), else one."""
+        if self.tokenizer.layout is not None and len(items) == num_items:
+            return tuple(item.shape[0] for item in items)
+        return (1,) * num_items
 
     def _declared(
         self, items: tuple[ItemSpec, ...], chosen: compression.Profile
@@ -151,9 +164,25 @@ class InputProcessor:
         """Each item's visual tokens under the rule; the tiled family's compression profiles
         prune per tile, so its count is the compressed one (other kinds count every token)."""
         rule = self.info.rule
+        if rule.kind != "tiles" and chosen.steps:
+            # Pruning keeps tokens per tile; a native or fixed model's items are not laid out
+            # in tiles, and Qwen's tower has no attention score to prune by.
+            raise VisorError(
+                Reason.INVALID_REQUEST,
+                f"compression profiles apply to tiled models only; this core's model "
+                f"({rule.kind} preprocessing) serves profile 'none'",
+            )
         counts = []
         for item in items:
             self._check_item(item)
+            if rule.kind == "native" and item.shape[0] > 1:
+                # The prompt would show it as an image; as a video its rope positions need the
+                # frames' timing, which no item carries yet.
+                raise VisorError(
+                    Reason.INVALID_REQUEST,
+                    "this core's model (native preprocessing) serves still images only: send "
+                    "one frame per item (the gateway's max_sampled_frames = 1)",
+                )
             if rule.kind == "tiles":
                 views = item.shape[0]
                 counts.append(compression.visual_tokens(rule.tokens_per_tile, views, chosen))
@@ -202,15 +231,23 @@ class InputProcessor:
     def prompt(
         self, admitted: Admitted, visual: list[int], keys: list[bytes]
     ) -> tuple[list[int], tuple[ImageSpan, ...]]:
-        """The prompt with each image slot expanded to its item's `visual` tokens (at most what
-        admission counted), and where each item's tokens sit, named by its content key."""
-        counted = admitted.num_visual
-        if len(visual) != len(counted) or any(v > c for v, c in zip(visual, counted, strict=True)):
+        """The prompt with each image slot expanded to its share of its item's `visual` tokens
+        (at most what admission counted), and where each slot's tokens sit (one span per run:
+        a model that sees images both ways sees each view so), named by its item's content
+        key."""
+        counted, slots = admitted.num_visual, admitted.slots
+        if (
+            len(visual) != len(counted)
+            or any(v > c for v, c in zip(visual, counted, strict=True))
+            or any(v % n for v, n in zip(visual, slots, strict=True))
+        ):
             raise VisorError(Reason.INTERNAL, "features differ from what admission counted")
+        per_slot = [(v // n, key) for v, n, key in zip(visual, slots, keys, strict=True)]
+        runs = [run for run, n in zip(per_slot, slots, strict=True) for _ in range(n)]
         image_id = self.tokenizer.image_token_id
-        ids = self.tokenizer.expand(list(admitted.prompt_ids), visual)
+        ids = self.tokenizer.expand(list(admitted.prompt_ids), [count for count, _ in runs])
         spans, pos = [], 0
-        for count, key in zip(visual, keys, strict=True):
+        for count, key in runs:
             while ids[pos] != image_id:
                 pos += 1
             spans.append(ImageSpan(pos, pos + count, key))

@@ -51,6 +51,7 @@ async def run(cfg: CoreConfig, cache: CacheConfig, sched: SchedulerConfig, core_
         encoder_thread.run,
         cfg.encode_batch_tiles,
         cfg.encode_max_wait_ms / 1000,
+        engine.encoder.per_view,
     )
     store = open_cache(cache) if cache.enabled else None
     features = FeatureService(engine.info, queue, store)

@@ -152,13 +152,18 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
                 self.features.store(keys[i], entry, req.cache)
         full = [e for e in entries if e is not None]
         features = [e.features for e in full]
-        visual = None  # every item's tokens, uncompressed
+        kept: list[compression.Kept | None] = [None] * len(full)  # every token, uncompressed
         if chosen.steps and full:
             t0 = time.perf_counter()
             compressed = await self.engine.run(_compress_all, req, full, chosen)
             features = [f for f, _ in compressed]
-            visual = [VisualItem(kept=kept) for _, kept in compressed]
+            kept = [k for _, k in compressed]
             timings["compress"] = (time.perf_counter() - t0) * 1000
+        # Each item's grid follows from its checked shape (a cache hit's too), for the rope.
+        rule = self.engine.info.rule
+        visual = [
+            VisualItem(rule.grid(item.shape), k) for item, k in zip(req.items, kept, strict=True)
+        ]
         before = sum(e.features.shape[0] for e in full)
         # Prefix reuse names each item's tokens by its feature-cache key and the profile that
         # shaped them; the engine salts block hashes with the tenant as well.

@@ -152,6 +152,7 @@ def load(
 
 class TensorRTEncoder:
     name = "tensorrt"
+    per_view = True
 
     def __init__(self, trt: Any, runtime: Any, engine: Any, device: torch.device) -> None:
         self.runtime, self.engine, self.device = runtime, engine, device  # the runtime outlives

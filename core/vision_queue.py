@@ -1,6 +1,7 @@
 """The vision queue: encoder batches formed by tile count with a short maximum wait, run off the
-event loop (on the encoder's own thread in the core). A request's tiles are never split across
-batches."""
+event loop (on the encoder's own thread in the core). A request's item is never split across
+batches; only items of one view shape share a batch, and an encoder whose rows are not views
+(`per_view` False: native-resolution items, attended over as a whole) gets one item per call."""
 
 from __future__ import annotations
 
@@ -26,15 +27,18 @@ class VisionQueue:
         run: Callable[..., Awaitable[Any]],
         max_batch_tiles: int,
         max_wait_s: float,
+        per_view: bool = True,
     ) -> None:
         self._encode, self._run = encode, run
         self.max_batch_tiles, self.max_wait_s = max_batch_tiles, max_wait_s
+        self.per_view = per_view  # the encoder's rows are views: items may share a batch
         self._pending: list[tuple[np.ndarray, asyncio.Future[Result]]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def encode(self, pixels: np.ndarray) -> Result:
-        """(tiles, 3, H, W) uint8 -> (tiles, tokens, hidden) features, (tiles, tokens) scores."""
+        """(views, 3, H, W) uint8 -> (rows, tokens, hidden) features, (rows, tokens) scores;
+        rows = views when `per_view`, else 1."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Result] = loop.create_future()
         self._pending.append((pixels, future))
@@ -49,14 +53,17 @@ class VisionQueue:
             self._timer.cancel()
             self._timer = None
         while self._pending:
-            batch: list[tuple[np.ndarray, asyncio.Future[Result]]] = []
-            tiles = 0
-            while self._pending and (
-                not batch or tiles + self._pending[0][0].shape[0] <= self.max_batch_tiles
-            ):
-                item = self._pending.pop(0)
-                batch.append(item)
-                tiles += item[0].shape[0]
+            first = self._pending.pop(0)
+            batch, tiles, rest = [first], first[0].shape[0], []
+            for item in self._pending if self.per_view else ():
+                fits = tiles + item[0].shape[0] <= self.max_batch_tiles
+                if fits and item[0].shape[1:] == first[0].shape[1:]:
+                    batch.append(item)
+                    tiles += item[0].shape[0]
+                else:
+                    rest.append(item)
+            if self.per_view:
+                self._pending = rest
             task = asyncio.get_running_loop().create_task(self._run_batch(batch))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -76,7 +83,7 @@ class VisionQueue:
             return
         start = 0
         for pixels, f in live:
-            end = start + pixels.shape[0]
+            end = start + (pixels.shape[0] if self.per_view else 1)
             if not f.done():
                 f.set_result((feats[start:end], scores[start:end]))
             start = end

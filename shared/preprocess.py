@@ -148,6 +148,15 @@ class PreprocessRule:
         per_frame = (h // self.patch_size) * (w // self.patch_size) // self.merge_size**2
         return per_frame * -(-n // self.temporal_patch_size)
 
+    def grid(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
+        """An item's (t, h, w) in merged-token units, for the model's rope positions: native
+        frames grouped by temporal patch and sides in merged tokens; (1, 1, 1) for the other
+        kinds (their positions do not depend on it)."""
+        if self.kind != "native":
+            return (1, 1, 1)
+        n, _, h, w = shape
+        return (-(-n // self.temporal_patch_size), h // self.factor, w // self.factor)
+
     def native_size(self, width: int, height: int) -> tuple[int, int]:
         """Native: (width, height) a frame is resized to (Qwen's smart resize)."""
         h, w = smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)

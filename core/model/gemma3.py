@@ -257,6 +257,13 @@ class Gemma3(nn.Module):
     def encode_with_importance(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return encode_with_importance(self.vision_tower, self.multi_modal_projector, pixels)
 
+    def encode_item(self, pixels_u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The engine's encode of one item (`core.encoders.ItemModel`): uint8 (views, 3, S, S)
+        -> (views * mm_tokens_per_image, hidden) features and their importance, view by view."""
+        dtype = self.multi_modal_projector.mm_input_projection_weight.dtype
+        feats, scores = self.encode_with_importance(self.normalize(pixels_u8).to(dtype))
+        return feats.flatten(0, 1), scores.flatten()
+
     def embed(
         self, token_ids: list[int] | torch.Tensor, image_features: torch.Tensor | None
     ) -> torch.Tensor:

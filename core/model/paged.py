@@ -8,9 +8,10 @@ projections and rotary (`forward_paged`); this module caches their keys and mask
 
 A token has a sequence index (start + i: its KV slot, and what masks compare) and a rope position
 (the index for 1-D rope; a chunk may bring its own, e.g. (t, h, w) rows for multimodal rope). A
-query at index i sees keys j <= i, within its layer's sliding window (j > i - window), and, for a
-model that sees images both ways, every key of the image it sits in; no chunk may end inside
-such an image (the scheduler keeps to that), so all of its keys exist when its queries run.
+query at index i sees keys j <= i and, for a model that sees images both ways, every key of the
+image it sits in; a sliding layer then keeps those within its window (j > i - window), image keys
+included, as Gemma 3 masks: AND(window, OR(causal, image)). No chunk may end inside such an image
+(the scheduler keeps to that), so all of its keys exist when its queries run.
 
 Two modes. Fast (`batch_invariant=False`): linear layers run unpadded in one call, and attention
 is packed: the rows of queries (each a decode, a prefill chunk, or a `TILE`-query tile of one,
@@ -256,19 +257,17 @@ def _masks(
     windows: Iterable[int | None],
     bounds: list[torch.Tensor],
 ) -> dict[int | None, torch.Tensor]:
-    """Per sliding window, the keys each (rows, 1, queries, 1) query index sees: causal, within
-    the window, or (with `bounds`) anywhere in its own image."""
+    """Per sliding window, the keys each (rows, 1, queries, 1) query index sees: causal or (with
+    `bounds`) anywhere in its own image, and within the window."""
     k = torch.arange(row_keys, device=query_pos.device)
     causal = k <= query_pos
     both = None
     if bounds:
         lo, hi = (b.view(query_pos.shape) for b in bounds)
         both = (k >= lo) & (k < hi)
-    masks = {}
-    for w in windows:
-        mask = causal if w is None else causal & (k > query_pos - w)
-        masks[w] = mask if both is None else mask | both
-    return masks
+    seen = causal if both is None else causal | both
+    # A sliding layer's window bounds image keys too (Gemma 3: AND(window, OR(causal, image))).
+    return {w: seen if w is None else seen & (k > query_pos - w) for w in windows}
 
 
 def step_metadata(
@@ -400,13 +399,12 @@ def _tile_mask(
     one of them sits in)-1: a function of positions only, the same whatever the batch."""
     key_end = max([end] + [e for s, e in spans if s < end and e > pos])
     mask = torch.ones(end - pos, key_end, dtype=torch.bool, device=device).tril(pos)
-    if window is not None:
-        mask = mask.triu(pos - window + 1)
     for s, e in spans:
         a, b = max(s, pos), min(e, end)
         if a < b:
             mask[a - pos : b - pos, s:e] = True
-    return mask
+    # The window bounds image keys too (Gemma 3: AND(window, OR(causal, image))).
+    return mask if window is None else mask.triu(pos - window + 1)
 
 
 def _attend_per_sequence(

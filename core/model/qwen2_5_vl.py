@@ -314,6 +314,14 @@ class QwenVL(nn.Module):
         patches, grid = patchify(self.normalize(pixels_u8), self.cfg.vision)
         return self.visual(patches, grid), grid
 
+    def encode_item(self, pixels_u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The engine's encode of one item (`core.encoders.ItemModel`): its visual tokens and,
+        as importance, each token's feature norm (the tower has no class token whose attention
+        could rank them; compression profiles are refused for this family, so it is stored,
+        not used)."""
+        feats, _ = self.encode_visual(pixels_u8)
+        return feats, feats.float().norm(dim=-1)
+
     def prompt_positions(
         self, ids: list[int], grids: list[Grid], seconds: list[float] | None = None
     ) -> tuple[torch.Tensor | None, int]:

@@ -194,3 +194,48 @@ def test_vision_queue_batches_by_tiles_and_splits_results(model: llava.Llava) ->
     for got, want in zip(results[:3], singles, strict=True):
         assert np.allclose(got[0], want, atol=1e-5)
     assert results[3][0].shape[0] == 2
+
+
+def _per_view_means(pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An encoder whose rows are views: each view's channel means as its one token."""
+    feats = pixels.astype(np.float32).mean(axis=(2, 3))[:, None, :]
+    return feats, feats[..., 0]
+
+
+def _whole_item(pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An encoder of whole items (native): one row, a token per frame, that sees every frame."""
+    feats = np.cumsum(pixels.astype(np.float32).mean(axis=(2, 3)), axis=0)[None]
+    return feats, feats[..., 0]
+
+
+@pytest.mark.parametrize("per_view", [True, False])
+def test_vision_queue_batches_only_items_of_one_view_shape(per_view: bool) -> None:
+    """Views of one shape share a batch (split back by views); another shape waits for its own
+    batch; an encoder of whole items gets one item per call. Each item's answer is its own."""
+    encode = _per_view_means if per_view else _whole_item
+    calls: list[tuple[int, ...]] = []
+
+    def counted(pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        calls.append(pixels.shape)
+        return encode(pixels)
+
+    rng = np.random.default_rng(0)
+    shapes = [(1, 3, 8, 8), (1, 3, 8, 12), (2, 3, 8, 8)]
+    items = [rng.integers(0, 256, s, dtype=np.uint8) for s in shapes]
+
+    async def main() -> list[tuple[np.ndarray, np.ndarray]]:
+        queue = VisionQueue(counted, worker.run, 16, 0.02, per_view=per_view)
+        return await asyncio.gather(*(queue.encode(p) for p in items))
+
+    worker = EncoderThread()
+    try:
+        results = asyncio.run(main())
+    finally:
+        worker.close()
+    if per_view:
+        assert calls == [(3, 3, 8, 8), (1, 3, 8, 12)]
+    else:
+        assert calls == shapes
+    for (feats, scores), pixels in zip(results, items, strict=True):
+        want, want_scores = encode(pixels)
+        assert np.array_equal(feats, want) and np.array_equal(scores, want_scores)

@@ -26,157 +26,21 @@ from safetensors.torch import save_file
 from core.model import gemma3, gemma3_config
 from core.model.config import ModelConfigError
 from core.model.tokenizer import ChatTokenizer, ChatTurn
+from tests.family_checkpoints import (
+    GEMMA_SIZE,
+    GEMMA_TOKENS,
+    build_gemma,
+    gemma_hub_copy,
+    gemma_hub_name,
+    rename_tensors,
+)
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 PIL = pytest.importorskip("PIL.Image")
 
 ATOL = 1e-4  # float32 on both sides
-SIZE, TOKENS, NEW_TOKENS = 224, 16, 8
-SPECIALS = [
-    "<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
-    "<start_of_image>", "<end_of_image>", "<image_soft_token>",
-]  # fmt: skip
-TEXT = (
-    "the a cat dog sat on mat what is in this image describe picture red blue green here are "
-    "some crops to help you see better original and user model compare both images which one "
-    "left right big small colour shape circle square"
-)
-# Gemma 3's prompt layout (written here, not copied): turns open with <start_of_turn> and a role
-# (the assistant's is "model"), images are marked <start_of_image>, text is trimmed.
-TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "{{ '<start_of_turn>' + role + '\n' }}"
-    "{% for item in message['content'] %}"
-    "{% if item['type'] == 'image' %}{{ '<start_of_image>' }}"
-    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
-    "{% endfor %}{{ '<end_of_turn>\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
-)
-
-
-def _tokenizer() -> object:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    words = TEXT.split()
-    corpus = [" ".join(words[i:] + words[:i]) + "\n\n" for i in range(len(words))]
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(corpus * 4, trainer)
-    return tok
-
-
-def _build(out: Path) -> None:
-    """A tiny Gemma 3 checkpoint as transformers 5 saves it, with random weights everywhere
-    (transformers initialises the norms and the projector to zero)."""
-    tok = _tokenizer()
-    ids = {s: tok.token_to_id(s) for s in SPECIALS}  # type: ignore[attr-defined]
-    hf_tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<bos>",
-        eos_token="<eos>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        extra_special_tokens={
-            "boi_token": "<start_of_image>",
-            "eoi_token": "<end_of_image>",
-            "image_token": "<image_soft_token>",
-        },
-    )
-    image_processor = transformers.Gemma3ImageProcessorPil(
-        size={"height": SIZE, "width": SIZE}, image_mean=[0.5] * 3, image_std=[0.5] * 3
-    )
-    processor = transformers.Gemma3Processor(
-        image_processor, hf_tok, chat_template=TEMPLATE, image_seq_length=TOKENS
-    )
-    cfg = transformers.Gemma3Config(
-        text_config={
-            "vocab_size": 320,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "sliding_window": 8,
-            "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
-            "query_pre_attn_scalar": 24,
-            "max_position_embeddings": 512,
-            "rope_parameters": {
-                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-            },
-        },
-        vision_config={
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "image_size": SIZE,
-            "patch_size": 14,
-            "vision_use_head": False,
-        },
-        mm_tokens_per_image=TOKENS,
-        boi_token_index=ids["<start_of_image>"],
-        eoi_token_index=ids["<end_of_image>"],
-        image_token_index=ids["<image_soft_token>"],
-        bos_token_id=ids["<bos>"],
-        eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]],
-        pad_token_id=ids["<pad>"],
-    )
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            scale = 0.5 if "norm" in name else 0.4 if "projection" in name else 0.08
-            param.normal_(0.0, scale)
-    model.save_pretrained(out)
-    processor.save_pretrained(out)
-
-
-def _hub_copy(src: Path, out: Path) -> None:
-    """The same checkpoint in the Hub's published layout: flat preprocessor_config.json, the
-    rope and sliding pattern in their old keys, `vision_tower.vision_model.*` and
-    `language_model.model.*` tensors, the chat template inside tokenizer_config.json."""
-    out.mkdir()
-    shutil.copy(src / "tokenizer.json", out)
-    tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
-    tok_cfg["chat_template"] = (src / "chat_template.jinja").read_text()
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
-    proc = json.loads((src / "processor_config.json").read_text())
-    (out / "preprocessor_config.json").write_text(json.dumps(proc.pop("image_processor")))
-    (out / "processor_config.json").write_text(json.dumps(proc))
-    cfg = json.loads((src / "config.json").read_text())
-    text = cfg["text_config"]
-    for key in ("layer_types", "rope_parameters", "_sliding_window_pattern"):
-        text.pop(key, None)
-    text.update(
-        sliding_window_pattern=4,
-        rope_theta=1e6,
-        rope_local_base_freq=1e4,
-        rope_scaling={"rope_type": "linear", "factor": 8.0},
-    )
-    (out / "config.json").write_text(json.dumps(cfg))
-    _rename_tensors(src, out, _hub_name)
-
-
-def _hub_name(name: str) -> str:
-    if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
-        return "vision_tower.vision_model." + name[len("vision_tower.") :]
-    return name
-
-
-def _rename_tensors(src: Path, out: Path, rename: Callable[[str], str]) -> None:
-    with safe_open(str(src / "model.safetensors"), "pt") as f:
-        tensors = {rename(n): f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+SIZE, TOKENS, NEW_TOKENS = GEMMA_SIZE, GEMMA_TOKENS, 8
 
 
 @dataclass
@@ -192,8 +56,8 @@ class Checkpoint:
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     root = tmp_path_factory.mktemp("gemma3")
-    _build(root / "saved")
-    _hub_copy(root / "saved", root / "hub")
+    build_gemma(root / "saved")
+    gemma_hub_copy(root / "saved", root / "hub")
     ref = transformers.Gemma3ForConditionalGeneration.from_pretrained(
         root / "saved", dtype=torch.float32, attn_implementation="eager"
     ).eval()
@@ -403,10 +267,10 @@ def test_prefixed_names_and_an_untied_head_load(ckpt: Checkpoint, tmp_path: Path
         shutil.copy(ckpt.saved / name, tmp_path)
 
     def rename(name: str) -> str:
-        name = _hub_name(name)
+        name = gemma_hub_name(name)
         return "model." + name.replace("language_model.model.", "language_model.", 1)
 
-    _rename_tensors(ckpt.saved, tmp_path, rename)
+    rename_tensors(ckpt.saved, tmp_path, rename)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         tensors = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
     assert "model.vision_tower.vision_model.post_layernorm.weight" in tensors
@@ -468,7 +332,7 @@ MALFORMED: dict[str, tuple[Callable[[Path], None], str]] = {
         "mm_input_projection_weight has shape (32, 64); the config implies (32, 96)",
     ),
     "missing_tensor": (
-        lambda d: _rename_tensors(
+        lambda d: rename_tensors(
             d, d, lambda n: n.replace("layers.3.self_attn.k_norm", "layers.3.self_attn.x_norm")
         ),
         "lacks 1 tensor(s) the config implies, e.g. language_model.layers.3.self_attn.k_norm",

@@ -166,8 +166,8 @@ def dense_logits(model: TinyModel, s: Seq) -> torch.Tensor:
     rope = model.rope(torch.arange(n) if s.positions is None else s.positions)
     for layer in model.language_model.layers:
         window = layer.sliding_window
-        seen = (j <= i) & (j > i - window) if window is not None else j <= i
-        mask = seen | both
+        seen = (j <= i) | both
+        mask = seen & (j > i - window) if window is not None else seen
 
         def attend(
             q: torch.Tensor,

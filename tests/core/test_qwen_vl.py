@@ -5,10 +5,9 @@ tokens against transformers' `Qwen2_5_VLForConditionalGeneration` on the same in
 
 from __future__ import annotations
 
-import itertools
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,170 +16,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from core.model import qwen2_5_vl
 from core.model.config import ModelConfigError
 from core.model.qwen2_5_vl_vision import patchify
 from core.model.tokenizer import ChatTokenizer, ChatTurn
+from tests.family_checkpoints import QWEN_TEMPLATE as TEMPLATE
+from tests.family_checkpoints import QwenCheckpoints as Checkpoints
+from tests.family_checkpoints import build_qwen
 
 transformers = pytest.importorskip("transformers")
 ATOL = 1e-4  # float32 on both sides
-SPECIALS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
-# Qwen2.5-VL's prompt layout: a default system turn, each image or video between vision marks.
-TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' %}{% set image_count.value = image_count.value + 1 %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' %}{% set video_count.value = video_count.value + 1 %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def _words() -> list[str]:
-    syllables = ["ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "de", "fa", "gu", "ze"]
-    return ["".join(p) for p in itertools.product(syllables, repeat=2)] + [
-        "What", "colour", "is", "the", "circle", "square", "How", "many", "are", "there", "?",
-    ]  # fmt: skip
-
-
-def _tokenizer() -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=SPECIALS,
-    )
-    words = _words()
-    tok.train_from_iterator([" ".join(words[i : i + 7]) for i in range(len(words))], trainer)
-    return tok
-
-
-def _hf_config(tok: Tokenizer) -> object:
-    return transformers.Qwen2_5_VLConfig(
-        text_config={
-            "vocab_size": 320,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 512,
-            "rms_norm_eps": 1e-6,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [2, 3, 3],
-            },
-            "eos_token_id": tok.token_to_id("<|im_end|>"),
-            "bos_token_id": tok.token_to_id("<|endoftext|>"),
-        },
-        vision_config={
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "out_hidden_size": 64,
-            "fullatt_block_indexes": [1],
-            "window_size": 56,  # 2 x 2 merged tokens: the test images have several windows
-            "tokens_per_second": 2,
-        },
-        image_token_id=tok.token_to_id("<|image_pad|>"),
-        video_token_id=tok.token_to_id("<|video_pad|>"),
-        vision_start_token_id=tok.token_to_id("<|vision_start|>"),
-        vision_end_token_id=tok.token_to_id("<|vision_end|>"),
-        tie_word_embeddings=True,
-    )
-
-
-def _write_tokenizer(tok: Tokenizer, path: Path, template_in_config: bool) -> None:
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    fast.chat_template = TEMPLATE
-    fast.save_pretrained(path)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
-    if template_in_config:  # the Hub's layout: the template inside tokenizer_config.json
-        (path / "chat_template.jinja").unlink(missing_ok=True)
-        cfg = json.loads((path / "tokenizer_config.json").read_text())
-        cfg["chat_template"] = TEMPLATE
-        (path / "tokenizer_config.json").write_text(json.dumps(cfg))
-
-
-def _hub_config(nested: dict[str, object]) -> dict[str, object]:
-    """transformers 5's nested config.json rewritten as the Hub's flat one."""
-    text = dict(nested.pop("text_config"))  # type: ignore[call-overload]
-    rope = text.pop("rope_parameters")
-    flat = {**nested, **{k: v for k, v in text.items() if k != "model_type"}}
-    flat["rope_theta"] = rope["rope_theta"]
-    flat["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
-    flat["model_type"] = "qwen2_5_vl"
-    flat["tie_word_embeddings"] = False  # the Hub's checkpoints store lm_head
-    vision = dict(flat["vision_config"])  # type: ignore[call-overload]
-    vision.pop("rope_parameters")
-    vision["model_type"] = "qwen2_5_vl"
-    flat["vision_config"] = vision
-    return flat
-
-
-@dataclass
-class Checkpoints:
-    hf: object  # Qwen2_5_VLForConditionalGeneration, float32, eval
-    hub: Path  # the Hub's layout
-    t5: Path  # transformers 5's layout
-    image_processor: object
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Checkpoints]:
-    root = tmp_path_factory.mktemp("qwen")
-    tok = _tokenizer()
-    torch.manual_seed(0)
-    hf = transformers.Qwen2_5_VLForConditionalGeneration(_hf_config(tok)).eval()
-    with torch.no_grad():  # wider than the 0.02 init, so that greedy tokens vary
-        for name, p in hf.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.15 if "embed" not in name else 0.3)
-    hub, t5 = root / "hub", root / "t5"
-    hf.save_pretrained(hub)
-    shutil.copytree(hub, t5)
-    processor = transformers.Qwen2VLImageProcessorPil()
-    # Hub: flat config, preprocessor_config.json, visual.* / model.* / lm_head.* tensors.
-    nested = json.loads((hub / "config.json").read_text())
-    (hub / "config.json").write_text(json.dumps(_hub_config(nested)))
-    (hub / "generation_config.json").unlink()
-    processor.save_pretrained(hub)
-    state = load_file(hub / "model.safetensors")
-    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
-    save_file(state, hub / "model.safetensors", metadata={"format": "pt"})
-    _write_tokenizer(tok, hub, template_in_config=True)
-    # transformers 5: nested processor_config.json, chat_template.jinja, model.visual.* /
-    # model.language_model.* tensors, tied head stored nowhere, end tokens in generation_config.
-    renamed = {
-        ("model.language_model." + k[6:] if k.startswith("model.") else "model." + k): v
-        for k, v in load_file(t5 / "model.safetensors").items()
-    }
-    save_file(renamed, t5 / "model.safetensors", metadata={"format": "pt"})
-    image_processor = processor.to_dict()
-    (t5 / "processor_config.json").write_text(json.dumps({"image_processor": image_processor}))
-    _write_tokenizer(tok, t5, template_in_config=False)
-    yield Checkpoints(hf, hub, t5, processor)
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+    return build_qwen(tmp_path_factory.mktemp("qwen"))
 
 
 def _pixels(seed: int, frames: int, height: int, width: int) -> torch.Tensor:

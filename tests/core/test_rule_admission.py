@@ -59,9 +59,30 @@ def _refused(inputs: InputProcessor, item: ItemSpec) -> str:
 def test_native_items_count_tokens_by_the_rule(engine: Engine) -> None:
     inputs = _inputs(engine, NATIVE)
     still = _item(NATIVE, 20, 30, (1, 3, 560, 840))  # H != W
-    video = _item(NATIVE, 20, 30, (4, 3, 560, 840))  # two temporal patches
-    _, counts = inputs.check(_req(still, video))
-    assert counts == (600, 1200)
+    small = _item(NATIVE, 2, 3, (1, 3, 56, 84))
+    _, counts, slots = inputs.check(_req(still, small))
+    assert counts == (600, 6) and slots == (1, 1)
+
+
+def test_native_items_of_several_frames_are_refused(engine: Engine) -> None:
+    """An animation or video stacked into one native item is refused before any pixel is sent:
+    served as an image its positions would not be the model's video positions."""
+    message = _refused(_inputs(engine, NATIVE), _item(NATIVE, 20, 30, (4, 3, 560, 840)))
+    assert "still images only" in message and "max_sampled_frames" in message
+
+
+def test_compression_profiles_are_refused_for_native_and_fixed_rules(engine: Engine) -> None:
+    items = {
+        NATIVE: _item(NATIVE, 2, 3, (1, 3, 56, 84)),
+        FIXED: _item(FIXED, 1, 1, (1, 3, 896, 896)),
+    }
+    for rule, item in items.items():
+        inputs = _inputs(engine, rule)
+        assert inputs.check(_req(item))[1]  # profile "none" is served
+        with pytest.raises(VisorError) as err:
+            inputs.check(dataclasses.replace(_req(item), profile="balanced"))
+        assert err.value.reason == Reason.INVALID_REQUEST
+        assert "tiled models only" in err.value.message
 
 
 def test_native_shapes_that_break_the_rule_are_refused(engine: Engine) -> None:
@@ -78,7 +99,7 @@ def test_native_shapes_that_break_the_rule_are_refused(engine: Engine) -> None:
 
 def test_fixed_items_count_views_and_bound_crops(engine: Engine) -> None:
     inputs = _inputs(engine, FIXED)
-    _, counts = inputs.check(
+    _, counts, _ = inputs.check(
         _req(_item(FIXED, 1, 1, (1, 3, 896, 896)), _item(FIXED, 1, 3, (4, 3, 896, 896)))
     )
     assert counts == (256, 1024)
