@@ -59,7 +59,7 @@ def _qwen_words() -> list[str]:
     ]  # fmt: skip
 
 
-def _qwen_tokenizer() -> Tokenizer:
+def qwen_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -154,7 +154,7 @@ def build_qwen(root: Path, **processor: Any) -> QwenCheckpoints:
     `size` so that served images stay a few tokens)."""
     import transformers
 
-    tok = _qwen_tokenizer()
+    tok = qwen_tokenizer()
     torch.manual_seed(0)
     hf = transformers.Qwen2_5_VLForConditionalGeneration(_qwen_config(transformers, tok)).eval()
     with torch.no_grad():  # wider than the 0.02 init, so that greedy tokens vary

@@ -21,7 +21,8 @@ from core.model import qwen3_vl
 from core.model.config import ModelConfigError
 from core.model.qwen2_5_vl_vision import patchify
 from core.model.tokenizer import ChatTokenizer, ChatTurn
-from tests.core.test_qwen_vl import DenseAttention, _linear, _pixels, _tokenizer
+from tests.core.test_qwen_vl import DenseAttention, _linear, _pixels
+from tests.family_checkpoints import qwen_tokenizer
 from tests.helpers import run_in_child
 
 transformers = pytest.importorskip("transformers")
@@ -116,7 +117,7 @@ class Checkpoints:
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Checkpoints]:
     root = tmp_path_factory.mktemp("qwen3")
-    tok = _tokenizer()
+    tok = qwen_tokenizer()
     torch.manual_seed(0)
     hf = transformers.Qwen3VLForConditionalGeneration(_hf_config(tok)).eval()
     with torch.no_grad():  # wider than the 0.02 init, so that greedy tokens vary
