@@ -37,6 +37,7 @@ import torch
 from core import encoders, metrics
 from core.compression import Kept
 from core.config import SchedulerConfig
+from core.cuda_graphs import Buckets
 from core.device import kv_cache_bytes, resolve
 from core.generate import TextStream, token_logprobs
 from core.input_processor import Admitted, InputProcessor
@@ -122,6 +123,7 @@ class Engine:
         dtype: str = "auto",
         batch_invariant: bool = True,
         gpu_memory_fraction: float = 0.9,
+        cuda_graphs: bool = True,
     ) -> None:
         if not (model_dir / "config.json").exists():
             raise FileNotFoundError(
@@ -144,6 +146,8 @@ class Engine:
             accepted_dtypes=("uint8",),
         )
         self.batch_invariant = batch_invariant
+        # Graphs replay the fast path's decode steps; the CPU has no graphs to replay.
+        self.cuda_graphs = cuda_graphs and not batch_invariant and self.device.type == "cuda"
         self._build(scheduler or SchedulerConfig(), gpu_memory_fraction)
         self._inbox = _Inbox()
         # Each live request's state and stream, by seq_id (model thread only).
@@ -194,8 +198,12 @@ class Engine:
             sliding_window=None if None in windows else max(w for w in windows if w is not None),
         )
         self.kv_manager = self.scheduler.kv
+        graphs = None
+        if self.cuda_graphs:
+            max_seqs = self.scheduler.max_num_seqs
+            graphs = Buckets.for_limits(max_seqs, sc.block_size, max_request_tokens)
         self.runner = ModelRunner(
-            self.model, num_blocks, sc.block_size, self.eos_ids, self.batch_invariant
+            self.model, num_blocks, sc.block_size, self.eos_ids, self.batch_invariant, graphs
         )
         metrics.KV_BLOCKS_TOTAL.set(num_blocks)
 

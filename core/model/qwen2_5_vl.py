@@ -250,6 +250,7 @@ class QwenVL(nn.Module):
     pixel_scale: torch.Tensor
     pixel_shift: torch.Tensor
     inv_freq: torch.Tensor
+    mrope_axis: torch.Tensor
     bidirectional_images = False
 
     def __init__(self, cfg: QwenVLConfig) -> None:
@@ -270,6 +271,10 @@ class QwenVL(nn.Module):
         dim = self.cfg.text.head_dim
         steps = torch.arange(0, dim, 2, dtype=torch.float32) / dim
         self.register_buffer("inv_freq", 1.0 / (self.cfg.text.rope_theta**steps), persistent=False)
+        # Which of t, h, w turns each frequency pair: on the device, so that `rope` copies
+        # nothing from the host (a captured CUDA graph cannot).
+        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(self.cfg.mrope_section))
+        self.register_buffer("mrope_axis", axis, persistent=False)
         self.visual.reset_buffers()
 
     def normalize(self, pixels_u8: torch.Tensor) -> torch.Tensor:
@@ -305,8 +310,8 @@ class QwenVL(nn.Module):
         if positions.dim() == 1:
             positions = positions.expand(3, -1)
         freqs = positions[..., None].float() * self.inv_freq.to(positions.device)  # (3, n, dim/2)
-        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(self.cfg.mrope_section))
-        freqs = freqs.gather(0, axis.to(positions.device).expand(1, freqs.shape[1], -1))[0]
+        axis = self.mrope_axis.to(positions.device)
+        freqs = freqs.gather(0, axis.expand(1, freqs.shape[1], -1))[0]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos(), emb.sin()
 
