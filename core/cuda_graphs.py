@@ -142,9 +142,11 @@ class DecodeGraphs:
     """The padded static-buffer path of decode-only steps: `run` per step, graphs on CUDA."""
 
     @torch.inference_mode()
-    def __init__(self, model: VisionLanguageModel, kv: paged.PagedKV, buckets: Buckets) -> None:
-        self.model, self.kv, self.buckets = model, kv, buckets
-        self.capture = kv.device.type == "cuda"
+    def __init__(
+        self, model: VisionLanguageModel, kv: paged.PagedKV, buckets: Buckets, capture: bool
+    ) -> None:
+        """`capture`: replay CUDA graphs (CUDA only); else run the padded path eagerly."""
+        self.model, self.kv, self.buckets, self.capture = model, kv, buckets, capture
         self.windows = tuple(sliding_windows(model))
         self.scratch_block = kv.keys[0].shape[1] - 1  # past the KV-cache manager's blocks
         text, device = model.cfg.text, kv.device
@@ -188,7 +190,7 @@ class DecodeGraphs:
     def _fill(self, step: _Static, host: torch.Tensor) -> None:
         """The step's one host-to-device copy, into the bucket's static buffer (from pinned
         memory on CUDA: queued on the stream, ahead of the replay that reads it)."""
-        if self.capture:
+        if self.kv.device.type == "cuda":
             host = host.pin_memory()
         step.flat.copy_(host, non_blocking=True)
 

@@ -89,7 +89,8 @@ class ModelRunner:
         )
         self.masks = TokenMasks(text.vocab_size)
         self.sampler = Sampler(text.vocab_size, eos_ids, self.device)
-        self.graphs = None if graphs is None else DecodeGraphs(model, self.kv, graphs)
+        on_cuda = self.device.type == "cuda"
+        self.graphs = None if graphs is None else DecodeGraphs(model, self.kv, graphs, on_cuda)
         self._requests: dict[int, _RequestState] = {}
 
     @property
