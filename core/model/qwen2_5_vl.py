@@ -273,8 +273,8 @@ class QwenVL(nn.Module):
         self.register_buffer("inv_freq", 1.0 / (self.cfg.text.rope_theta**steps), persistent=False)
         # Which of t, h, w turns each frequency pair: on the device, so that `rope` copies
         # nothing from the host (a captured CUDA graph cannot).
-        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(self.cfg.mrope_section))
-        self.register_buffer("mrope_axis", axis, persistent=False)
+        axis = [i for i, n in enumerate(self.cfg.mrope_section) for _ in range(n)]
+        self.register_buffer("mrope_axis", torch.tensor(axis), persistent=False)
         self.visual.reset_buffers()
 
     def normalize(self, pixels_u8: torch.Tensor) -> torch.Tensor:
