@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,15 @@ class Buckets:
         return cls(tuple(sorted(b for b in batches if b <= max_num_seqs)), tuple(sorted(keys)))
 
 
+@dataclass(frozen=True, slots=True)
+class PaddedDecode:
+    """How a runner runs its decode-only steps at padded shapes (fast mode only)."""
+
+    buckets: Buckets  # the shapes
+    cuda_graphs: bool  # capture each bucket and replay it (on CUDA; ignored elsewhere)
+    compile: bool  # torch.compile each bucket's step
+
+
 def _pick(sizes: tuple[int, ...], need: int) -> int | None:
     """The smallest of `sizes` holding `need`; None past the largest."""
     at = bisect.bisect_left(sizes, need)
@@ -82,7 +92,8 @@ class _Static:
     """A bucket's static buffers (views of the runner-wide ones) and, on CUDA, its graph."""
 
     layout: paged.Layout  # how `flat` splits into the step's metadata
-    flat: torch.Tensor  # (sum(layout.sizes),) long: the step's indices, on the device
+    flat: torch.Tensor  # (sum(layout.sizes),) long: the step's indices, on the device (the
+    # start of the runner-wide buffer, which the step reads)
     embeds: torch.Tensor  # (rows, hidden): the step's embeddings, padding rows token 0's
     graph: torch.cuda.CUDAGraph | None = None  # None: run eagerly
     logits: torch.Tensor | None = None  # (rows, vocab) float32: the graph's output
@@ -141,29 +152,48 @@ def host_buffer(
 class DecodeGraphs:
     """The padded static-buffer path of decode-only steps: `run` per step, graphs on CUDA."""
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def __init__(
-        self, model: VisionLanguageModel, kv: paged.PagedKV, buckets: Buckets, capture: bool
+        self,
+        model: VisionLanguageModel,
+        kv: paged.PagedKV,
+        buckets: Buckets,
+        capture: bool,
+        compile: bool = False,
     ) -> None:
-        """`capture`: replay CUDA graphs (CUDA only); else run the padded path eagerly."""
+        """`capture`: replay CUDA graphs (CUDA only), else run the padded path eagerly;
+        `compile`: torch.compile each bucket's step (inductor; eager again if it fails)."""
         self.model, self.kv, self.buckets, self.capture = model, kv, buckets, capture
         self.windows = tuple(sliding_windows(model))
         self.scratch_block = kv.keys[0].shape[1] - 1  # past the KV-cache manager's blocks
         text, device = model.cfg.text, kv.device
         rows = buckets.batches[-1]
         biggest = layout(Shape(rows, buckets.keys[-1], 3), kv.block_size)
+        # Normal tensors (made outside inference mode): torch.compile takes them as inputs.
         self._flat = torch.zeros(sum(biggest.sizes), dtype=torch.long, device=device)
         embed = model.language_model.embed_tokens
         self._pad = embed(torch.zeros(1, dtype=torch.long, device=device))  # token 0's row
         self._embeds = self._pad.new_zeros(rows, text.hidden_size)
         self._steps: dict[Shape, _Static] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._compiled: Callable[..., torch.Tensor] | None = None
+        if compile:
+            # One compiled step per bucket (static shapes): dynamo must keep them all.
+            limit = len(buckets.batches) * len(buckets.keys) * 2
+            config = torch._dynamo.config
+            config.recompile_limit = max(config.recompile_limit, limit)
+            self._compiled = torch.compile(self._padded_step, dynamic=False)
         self.num_steps = 0  # steps served here (padded), for tests and benchmarks
 
     @property
     def shapes(self) -> tuple[Shape, ...]:
         """The buckets used so far (captured, on CUDA), in first-use order."""
         return tuple(self._steps)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether steps run torch.compile'd (false once a compile failed)."""
+        return self._compiled is not None
 
     @torch.inference_mode()
     def run(self, embeds: torch.Tensor, chunks: list[paged.SeqChunk]) -> torch.Tensor | None:
@@ -194,35 +224,64 @@ class DecodeGraphs:
             host = host.pin_memory()
         step.flat.copy_(host, non_blocking=True)
 
+    def _padded_step(
+        self, flat: torch.Tensor, embeds: torch.Tensor, lay: paged.Layout
+    ) -> torch.Tensor:
+        """What a graph holds (and torch.compile compiles): the metadata from the start of the
+        static buffers, then the forward pass."""
+        rows = lay.calls[0][0]
+        meta = paged.device_metadata(flat.narrow(0, 0, sum(lay.sizes)), lay, self.windows)
+        return paged.step_logits(self.model, embeds.narrow(0, 0, rows), meta, self.kv, False)
+
     def _forward(self, step: _Static) -> torch.Tensor:
-        """What a graph holds: the metadata from the static buffer, then the forward pass."""
-        meta = paged.device_metadata(step.flat, step.layout, self.windows)
-        return paged.forward_step(self.model, step.embeds, meta, self.kv, batch_invariant=False)
+        if self._compiled is None:
+            return self._padded_step(self._flat, self._embeds, step.layout)
+        with torch.inference_mode(False), torch.no_grad():
+            return self._compiled(self._flat, self._embeds, step.layout)
 
     def _prepare(self, shape: Shape) -> _Static:
-        """A bucket's static views; on CUDA its graph, captured over a batch of padding rows
-        only (the warm-up runs for real and must write no live sequence's keys)."""
+        """A bucket's static views; compiled and, on CUDA, captured over a batch of padding
+        rows only (the warm-up runs for real and must write no live sequence's keys)."""
         lay = layout(shape, self.kv.block_size)
-        flat = self._flat.narrow(0, 0, sum(lay.sizes))
-        step = _Static(lay, flat, self._embeds.narrow(0, 0, shape.rows))
-        if self.capture:
-            t0 = time.perf_counter()
-            self._fill(step, host_buffer([], shape, self.kv.block_size, self.scratch_block))
-            step.embeds.copy_(self._pad.expand(shape.rows, -1))
-            step.graph, step.logits = self._capture(step)
-            ms = round((time.perf_counter() - t0) * 1000, 1)
-            dims = [shape.rows, shape.keys, shape.rope_rows]
-            log.info("cuda_graph_captured", shape=dims, duration_ms=ms)
+        step = _Static(
+            lay, self._flat.narrow(0, 0, sum(lay.sizes)), self._embeds.narrow(0, 0, shape.rows)
+        )
         self._steps[shape] = step
+        if not self.capture and self._compiled is None:
+            return step
+        t0 = time.perf_counter()
+        self._fill(step, host_buffer([], shape, self.kv.block_size, self.scratch_block))
+        step.embeds.copy_(self._pad.expand(shape.rows, -1))
+        if self.capture:
+            step.graph, step.logits = self._capture(step)
+        else:
+            self._warm_up(step)
+        ms = round((time.perf_counter() - t0) * 1000, 1)
+        dims = [shape.rows, shape.keys, shape.rope_rows]
+        log.info("decode_step_prepared", shape=dims, duration_ms=ms, backend=self._backend())
         return step
+
+    def _backend(self) -> str:
+        return "+".join(["compile"] * self.compiled + ["cuda_graph"] * self.capture) or "eager"
+
+    def _warm_up(self, step: _Static) -> None:
+        """Runs the step (compiling it); a compile that fails leaves every step eager."""
+        for _ in range(WARMUP_RUNS):
+            try:
+                self._forward(step)
+            except Exception as exc:
+                if self._compiled is None:
+                    raise
+                where = logs.error_site(exc)
+                log.error("decode_compile_failed", error_type=type(exc).__name__, where=where)
+                self._compiled = None
 
     def _capture(self, step: _Static) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         device = self.kv.device
         side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                self._forward(step)
+            self._warm_up(step)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):

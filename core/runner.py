@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from core.compression import Kept
-from core.cuda_graphs import Buckets, DecodeGraphs
+from core.cuda_graphs import DecodeGraphs, PaddedDecode
 from core.device import upload
 from core.generate import SampledRow, Sampler, SampleRow, check_params, noise_key
 from core.model import paged
@@ -66,12 +66,11 @@ class ModelRunner:
         block_size: int,
         eos_ids: set[int],
         batch_invariant: bool = True,
-        graphs: Buckets | None = None,
+        padded: PaddedDecode | None = None,
     ) -> None:
-        """`graphs`: run decode-only steps padded to these buckets (`core.cuda_graphs`: CUDA
-        graphs on CUDA, eagerly elsewhere); fast mode only. The KV storage then has one block
-        past `num_blocks`, the padding rows' scratch."""
-        if graphs is not None and batch_invariant:
+        """`padded`: run decode-only steps at padded shapes (`core.cuda_graphs`); fast mode
+        only. The KV storage then has one block past `num_blocks`, the padding rows' scratch."""
+        if padded is not None and batch_invariant:
             raise ValueError("decode graphs run the fast path: batch_invariant must be off")
         text = model.cfg.text
         self.model = model
@@ -80,7 +79,7 @@ class ModelRunner:
         self.device = weight.device
         self.kv = paged.PagedKV(
             text.num_layers,
-            num_blocks + (graphs is not None),
+            num_blocks + (padded is not None),
             block_size,
             text.num_kv_heads,
             text.head_dim,
@@ -89,8 +88,10 @@ class ModelRunner:
         )
         self.masks = TokenMasks(text.vocab_size)
         self.sampler = Sampler(text.vocab_size, eos_ids, self.device)
-        on_cuda = self.device.type == "cuda"
-        self.graphs = None if graphs is None else DecodeGraphs(model, self.kv, graphs, on_cuda)
+        self.graphs = None
+        if padded is not None:
+            capture = padded.cuda_graphs and self.device.type == "cuda"
+            self.graphs = DecodeGraphs(model, self.kv, padded.buckets, capture, padded.compile)
         self._requests: dict[int, _RequestState] = {}
 
     @property

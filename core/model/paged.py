@@ -500,6 +500,18 @@ def forward_step(
     """Runs the step's new tokens ((tokens, hidden) embeddings, in chunk order) through every
     layer's `forward_paged`; returns the float32 logits of the tokens `meta.logits_indices`
     names."""
+    return step_logits(model, embeds, meta, kv, batch_invariant)
+
+
+def step_logits(
+    model: VisionLanguageModel,
+    embeds: torch.Tensor,
+    meta: StepMetadata,
+    kv: PagedKV,
+    batch_invariant: bool,
+) -> torch.Tensor:
+    """`forward_step` outside inference mode, for torch.compile: dynamo fails on the views
+    inference mode makes of normal tensors (torch 2.13: "Cannot set version_counter")."""
     rope = model.rope(meta.positions)
 
     def gemm(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:

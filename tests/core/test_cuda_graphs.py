@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from core.config import CoreConfig, SchedulerConfig
-from core.cuda_graphs import Buckets, DecodeGraphs, Shape, decode_shape
+from core.cuda_graphs import Buckets, DecodeGraphs, PaddedDecode, Shape, decode_shape
 from core.model import paged
 from core.model.config import parse
 from core.model.llava import Llava
@@ -134,8 +134,9 @@ def _generate(model: TinyModel, graphs: bool) -> tuple[dict[int, list[int]], Mod
     sliding = None if None in windows else max(w for w in windows if w is not None)
     cfg = SchedulerConfig(max_batch_tokens=64, max_prefill_chunk=32)
     sched = Scheduler(cfg, 60, {0}, 16, model.bidirectional_images, sliding)
-    buckets = Buckets.for_limits(sched.max_num_seqs, 16, 60 * 16) if graphs else None
-    runner = ModelRunner(model, 60, 16, {0}, False, buckets)  # type: ignore[arg-type]
+    buckets = Buckets.for_limits(sched.max_num_seqs, 16, 60 * 16)
+    padded = PaddedDecode(buckets, cuda_graphs=True, compile=False) if graphs else None
+    runner = ModelRunner(model, 60, 16, {0}, False, padded)  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(7)
     seqs = []
     for i in range(6):
@@ -162,7 +163,27 @@ def test_greedy_text_is_the_same_with_the_padded_decode_path(variant: str) -> No
 def test_the_padded_path_needs_the_fast_mode() -> None:
     model = TinyModel(*VARIANTS["rope+global+window"])
     with pytest.raises(ValueError, match="batch_invariant"):
-        ModelRunner(model, 8, 16, {0}, True, BUCKETS)  # type: ignore[arg-type]
+        ModelRunner(model, 8, 16, {0}, True, PaddedDecode(BUCKETS, True, False))  # type: ignore[arg-type]
+
+
+def test_a_compiled_step_gives_the_eager_logits() -> None:
+    """torch.compile (inductor, CPU) of three steps over two buckets: the eager padded path's
+    logits and keys (inductor fuses differently: within 1e-5)."""
+    model = TinyModel(*VARIANTS["mrope+window+global+images"])
+    kv = _kv(model)
+    eager_kv = _clone(kv)
+    eager = DecodeGraphs(model, eager_kv, BUCKETS, capture=False)  # type: ignore[arg-type]
+    graphs = DecodeGraphs(model, kv, BUCKETS, capture=False, compile=True)  # type: ignore[arg-type]
+    for seed in (3, 4, 3):
+        chunks, embeds = _decode_batch(model, 3, seed)
+        want, got = eager.run(embeds, chunks), graphs.run(embeds, chunks)
+        assert want is not None and got is not None and graphs.compiled
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert len(graphs.shapes) == 2
+    for ours, theirs in zip(
+        (*kv.keys, *kv.values), (*eager_kv.keys, *eager_kv.values), strict=True
+    ):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
 _COPY = torch.Tensor.copy_
@@ -259,3 +280,5 @@ def test_the_config_key_and_its_override() -> None:
         build(CoreConfig, "core", {}, {"VISOR_CORE_CUDA_GRAPHS": "sometimes"})
     with pytest.raises(ConfigError, match=r"\[core\] cuda_graphs must be of type bool"):
         build(CoreConfig, "core", {"core": {"cuda_graphs": "yes"}}, {})
+    assert build(CoreConfig, "core", {}, {}).compile is False
+    assert build(CoreConfig, "core", {}, {"VISOR_CORE_COMPILE": "on"}).compile is True
