@@ -4,7 +4,8 @@ and the rest still run):
 
 - checkpoint: a random-weight LLaVA-1.5-7B-shaped checkpoint built on the device (no download);
 - parity: greedy generations of the demo model, CPU float32 vs the device (tokens and logprobs);
-- decode: output tokens/s at batch 32 and 64 on the 7B shape, and the HBM roofline;
+- decode: output tokens/s at batch 32 and 64 on the 7B shape, and the HBM roofline; on CUDA also
+  decode tokens/s in fast mode (`batch_invariant = false`) with CUDA graphs off and on;
 - ttft: one 576-token image plus a 30-token question, unloaded (encoder + prefill + first token);
 - transformers: the same prompts through transformers' `generate_batch` on the same device;
 - mixed: bench/batching's seeded mixed workload under token-budget / request-count / none;
@@ -67,7 +68,7 @@ class Sizes:
 
 FULL = Sizes(
     "llava-7b", (32, 64), 128, 128, 32, 32, 5, (1, 8, 32),
-    (("checkpoint", 120), ("parity", 45), ("decode", 120), ("ttft", 40), ("transformers", 120),
+    (("checkpoint", 120), ("parity", 45), ("decode", 180), ("ttft", 40), ("transformers", 120),
      ("mixed", 150), ("encoder", 120)),
 )  # fmt: skip
 SMALL = Sizes(
@@ -123,13 +124,16 @@ class Check:
         if self.result_file is not None:  # what a hard kill leaves behind
             self.result_file.write_text(json.dumps(self.out))
 
-    def engine_for(self, **scheduler: Any) -> Engine:
+    def engine_for(
+        self, batch_invariant: bool = True, cuda_graphs: bool = True, **scheduler: Any
+    ) -> Engine:
         assert self.model is not None, "the checkpoint section did not run"
         sc = SchedulerConfig(**scheduler)
         device, dtype = self._placement().values()
         return Engine(
-            self.model, "gpu-check", self.threads, scheduler=sc, device=device, dtype=dtype
-        )
+            self.model, "gpu-check", self.threads, scheduler=sc, device=device, dtype=dtype,
+            batch_invariant=batch_invariant, cuda_graphs=cuda_graphs,
+        )  # fmt: skip
 
     def _placement(self) -> dict[str, str]:
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch.")}
@@ -255,11 +259,7 @@ def decode(c: Check) -> dict[str, Any]:
     s, cfg = c.sizes, model_config.load(c.model)
     text, batch = cfg.text, max(s.decode_batches)
     per_token = 2 * text.num_layers * text.num_kv_heads * text.head_dim  # K and V elements
-    blocks = batch * -(-(s.prompt_tokens + s.new_tokens + 16) // 16) + 16
-    kv_mb = blocks * 16 * per_token * 4 >> 20  # [scheduler] kv_cache_mb counts float32 bytes
-    c.engine = engine = c.engine_for(
-        max_num_seqs=batch, max_batch_tokens=max(2048, batch), kv_cache_mb=max(64, kv_mb + 1)
-    )
+    c.engine = engine = c.engine_for(**_decode_scheduler(c))
     size = torch.empty((), dtype=c.dtype).element_size()
     bandwidth = hbm_bandwidth(gpu_name(c.device))
     out: dict[str, Any] = {
@@ -292,6 +292,50 @@ def decode(c: Check) -> dict[str, Any]:
             )
         out[f"batch{b}"] = row
     engine.step_log = None
+    if c.device.type == "cuda":
+        out["cuda_graphs"] = graphs_on_off(c)
+    return out
+
+
+def _decode_scheduler(c: Check) -> dict[str, Any]:
+    """The decode engine's [scheduler]: every sequence of the largest batch at once."""
+    s, text = c.sizes, model_config.load(c.model or Path()).text
+    batch = max(s.decode_batches)
+    per_token = 2 * text.num_layers * text.num_kv_heads * text.head_dim  # K and V elements
+    blocks = batch * -(-(s.prompt_tokens + s.new_tokens + 16) // 16) + 16
+    kv_mb = blocks * 16 * per_token * 4 >> 20  # [scheduler] kv_cache_mb counts float32 bytes
+    return {
+        "max_num_seqs": batch,
+        "max_batch_tokens": max(2048, batch),
+        "kv_cache_mb": max(64, kv_mb + 1),
+    }
+
+
+def graphs_on_off(c: Check) -> dict[str, Any]:
+    """Decode tokens/s in fast mode, CUDA graphs off then on (an engine each, the same prompts;
+    each batch first runs 4 tokens so that its graphs are captured before the timed run)."""
+    c.release()  # one 7B engine on the device at a time
+    s, vocab = c.sizes, model_config.load(c.model or Path()).text.vocab_size
+    out: dict[str, Any] = {}
+    for on in (False, True):
+        engine = c.engine_for(False, on, **_decode_scheduler(c))
+        try:
+            for b in s.decode_batches:
+                prompts = _prompts(b, s.prompt_tokens, vocab, seed=100 + b)
+                asyncio.run(_generate_all(engine, prompts, 4))
+                engine.step_log = []
+                asyncio.run(_generate_all(engine, prompts, s.new_tokens))
+                row = out.setdefault(f"batch{b}", {})
+                row[f"graphs_{'on' if on else 'off'}_tok_per_s"] = round(
+                    _decode_rate(engine.step_log), 2
+                )
+            if on:
+                out["graphs_effective"] = engine.cuda_graphs  # false: they could not be used
+        finally:
+            engine.close()
+    for b in s.decode_batches:
+        row = out[f"batch{b}"]
+        row["on_vs_off"] = round(row["graphs_on_tok_per_s"] / row["graphs_off_tok_per_s"], 3)
     return out
 
 

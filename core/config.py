@@ -31,6 +31,8 @@ class CoreConfig:
     tls_key: str = ""  # PEM private key of tls_cert
     tls_client_ca: str = ""  # PEM CA that signs gateway client certificates (client auth required)
     batch_invariant: bool = True  # logits bit for bit independent of batch-mates (slower decode)
+    cuda_graphs: bool = True  # decode-only steps as CUDA graphs; only on CUDA, batch_invariant off
+    compile: bool = False  # torch.compile decode-only steps (batch_invariant off); slow first steps
 
     def validate(self) -> None:
         split_host_port(self.listen)

@@ -37,6 +37,7 @@ import torch
 from core import encoders, metrics
 from core.compression import Kept
 from core.config import SchedulerConfig
+from core.cuda_graphs import Buckets, PaddedDecode
 from core.device import kv_cache_bytes, resolve
 from core.generate import TextStream, token_logprobs
 from core.input_processor import Admitted, InputProcessor
@@ -122,6 +123,8 @@ class Engine:
         dtype: str = "auto",
         batch_invariant: bool = True,
         gpu_memory_fraction: float = 0.9,
+        cuda_graphs: bool = True,
+        compile: bool = False,
     ) -> None:
         if not (model_dir / "config.json").exists():
             raise FileNotFoundError(
@@ -145,6 +148,9 @@ class Engine:
             accepted_dtypes=("uint8",),
         )
         self.batch_invariant = batch_invariant
+        # Both serve the fast path's decode steps; the CPU has no graphs to replay.
+        self.cuda_graphs = cuda_graphs and not batch_invariant and self.device.type == "cuda"
+        self.compile = compile and not batch_invariant
         self._build(scheduler or SchedulerConfig(), gpu_memory_fraction)
         self._inbox = _Inbox()
         # Each live request's state and stream, by seq_id (model thread only).
@@ -201,8 +207,13 @@ class Engine:
             sliding_window=None if None in windows else max(w for w in windows if w is not None),
         )
         self.kv_manager = self.scheduler.kv
+        padded = None
+        if self.cuda_graphs or self.compile:
+            max_seqs = self.scheduler.max_num_seqs
+            buckets = Buckets.for_limits(max_seqs, sc.block_size, max_request_tokens)
+            padded = PaddedDecode(buckets, self.cuda_graphs, self.compile)
         self.runner = ModelRunner(
-            self.model, num_blocks, sc.block_size, self.eos_ids, self.batch_invariant
+            self.model, num_blocks, sc.block_size, self.eos_ids, self.batch_invariant, padded
         )
         metrics.KV_BLOCKS_TOTAL.set(num_blocks)
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from core.compression import Kept
+from core.cuda_graphs import DecodeGraphs, PaddedDecode
 from core.device import upload
 from core.generate import SampledRow, Sampler, SampleRow, check_params, noise_key
 from core.model import paged
@@ -65,7 +66,12 @@ class ModelRunner:
         block_size: int,
         eos_ids: set[int],
         batch_invariant: bool = True,
+        padded: PaddedDecode | None = None,
     ) -> None:
+        """`padded`: run decode-only steps at padded shapes (`core.cuda_graphs`); fast mode
+        only. The KV storage then has one block past `num_blocks`, the padding rows' scratch."""
+        if padded is not None and batch_invariant:
+            raise ValueError("decode graphs run the fast path: batch_invariant must be off")
         text = model.cfg.text
         self.model = model
         self.eos_ids, self.batch_invariant = eos_ids, batch_invariant
@@ -73,7 +79,7 @@ class ModelRunner:
         self.device = weight.device
         self.kv = paged.PagedKV(
             text.num_layers,
-            num_blocks,
+            num_blocks + (padded is not None),
             block_size,
             text.num_kv_heads,
             text.head_dim,
@@ -82,6 +88,10 @@ class ModelRunner:
         )
         self.masks = TokenMasks(text.vocab_size)
         self.sampler = Sampler(text.vocab_size, eos_ids, self.device)
+        self.graphs = None
+        if padded is not None:
+            capture = padded.cuda_graphs and self.device.type == "cuda"
+            self.graphs = DecodeGraphs(model, self.kv, padded.buckets, capture, padded.compile)
         self._requests: dict[int, _RequestState] = {}
 
     @property
@@ -171,9 +181,10 @@ class ModelRunner:
                 num = end - max(c.start, prompt)
                 embeds.append(tokens.narrow(0, used, num))
                 used += num
-        return paged.forward(
-            self.model, torch.cat(embeds), seq_chunks, self.kv, self.batch_invariant
-        )
+        x = torch.cat(embeds)
+        if self.graphs is not None and (logits := self.graphs.run(x, seq_chunks)) is not None:
+            return logits
+        return paged.forward(self.model, x, seq_chunks, self.kv, self.batch_invariant)
 
     def _advance(
         self, ready: list[int], sampled: list[SampledRow], errors: dict[int, Reason]

@@ -44,6 +44,8 @@ async def run(cfg: CoreConfig, cache: CacheConfig, sched: SchedulerConfig, core_
         cfg.dtype,
         cfg.batch_invariant,
         cfg.gpu_memory_fraction,
+        cfg.cuda_graphs,
+        cfg.compile,
     )
     encoder_thread = EncoderThread()  # batches never wait for, nor hold up, an LLM step
     queue = VisionQueue(

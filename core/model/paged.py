@@ -219,7 +219,7 @@ def _packed(
     return [*parts, output_index], shapes
 
 
-def _positions(chunks: list[SeqChunk], index: torch.Tensor) -> torch.Tensor:
+def rope_positions(chunks: list[SeqChunk], index: torch.Tensor) -> torch.Tensor:
     """The step's rope positions: each chunk's own, else its sequence indices; (3, tokens) as
     soon as one chunk has multimodal positions (a text token's t, h and w are its index)."""
     given = [c.positions for c in chunks]
@@ -270,15 +270,23 @@ def _masks(
     return {w: seen if w is None else seen & (k > query_pos - w) for w in windows}
 
 
-def step_metadata(
-    chunks: list[SeqChunk],
-    block_size: int,
-    batch_invariant: bool,
-    device: torch.device,
-    windows: Iterable[int | None] = (None,),
-) -> StepMetadata:
-    """The step's indexing tensors, built on the host and copied to `device` in one transfer.
-    `windows`: the sliding windows of the model's layers (None = a global layer)."""
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How a step's flat buffer of indices splits into its `StepMetadata`: what is not in the
+    numbers themselves. The CUDA-graph path (core/cuda_graphs.py) keeps one per captured shape."""
+
+    sizes: tuple[int, ...]  # length of each part of the buffer, in order
+    positions_shape: tuple[int, ...]  # (tokens,) or (3, tokens)
+    calls: tuple[tuple[int, int, int], ...]  # fast mode: (rows, row_queries, row_keys) per call
+    with_spans: bool  # fast mode: each call also carries its queries' image bounds (lo, hi)
+    sequences: tuple[tuple[int, int, Spans], ...]  # batch-invariant mode: (start, num_tokens,
+    # spans) per chunk; () in fast mode
+
+
+def host_metadata(
+    chunks: list[SeqChunk], block_size: int, batch_invariant: bool
+) -> tuple[torch.Tensor, Layout]:
+    """The step's indexing tensors on the host, as one flat long tensor and its layout."""
     lengths = torch.tensor([c.num_tokens for c in chunks])
     ends = [c.start + c.num_tokens for c in chunks]
     # Per chunk, the slot of each index 0..max(ends)-1 (padding blocks point at slot 0).
@@ -289,32 +297,56 @@ def step_metadata(
         tables[i, : used.shape[0]] = used
     slots = (tables[:, :, None] * block_size + torch.arange(block_size)).view(len(chunks), -1)
     index = torch.cat([torch.arange(c.start, c.start + c.num_tokens) for c in chunks])
-    positions = _positions(chunks, index)
+    positions = rope_positions(chunks, index)
     spans = _token_spans(chunks, ends) if any(c.spans for c in chunks) else None
     token_chunk = torch.repeat_interleave(torch.arange(len(chunks)), lengths)
     need = torch.tensor([c.need_logits for c in chunks], dtype=torch.bool)
     parts = [positions.flatten(), slots[token_chunk, index], (torch.cumsum(lengths, 0) - 1)[need]]
     shapes: list[tuple[int, int, int]] = []
+    sequences: tuple[tuple[int, int, Spans], ...] = ()
     if batch_invariant:
-        extra = [tables[i, : -(-end // block_size)] for i, end in enumerate(ends)]
+        parts += [tables[i, : -(-end // block_size)] for i, end in enumerate(ends)]
+        sequences = tuple((c.start, c.num_tokens, c.spans) for c in chunks)
     else:
         extra, shapes = _packed(chunks, tables, block_size, index.shape[0], spans)
-    sizes = [p.shape[0] for p in parts + extra]
-    moved = torch.split(torch.cat(parts + extra).to(device), sizes)
-    flat_positions, slot_mapping, logits_indices, *rest = moved
-    positions = flat_positions.view(positions.shape)
-    if batch_invariant:
+        parts += extra
+    sizes = tuple(p.shape[0] for p in parts)
+    layout = Layout(sizes, tuple(positions.shape), tuple(shapes), spans is not None, sequences)
+    return torch.cat(parts), layout
+
+
+def device_metadata(
+    flat: torch.Tensor, layout: Layout, windows: Iterable[int | None] = (None,)
+) -> StepMetadata:
+    """The step's metadata from its flat buffer, already on the model's device: views of it, and
+    the masks derived there (no host work, no sync: this runs inside a captured CUDA graph)."""
+    flat_positions, slot_mapping, logits_indices, *rest = torch.split(flat, list(layout.sizes))
+    positions = flat_positions.view(layout.positions_shape)
+    if layout.sequences:
         sequences = tuple(
-            SequenceKeys(c.start, c.num_tokens, keys, c.spans)
-            for c, keys in zip(chunks, rest, strict=True)
+            SequenceKeys(start, num_tokens, keys, spans)
+            for (start, num_tokens, spans), keys in zip(layout.sequences, rest, strict=True)
         )
         return StepMetadata(positions, slot_mapping, logits_indices, (), rest[0][:0], sequences)
-    calls, per_call, windows = [], 3 if spans is None else 5, tuple(windows)
-    for g, (num_rows, row_queries, row_keys) in enumerate(shapes):
+    calls, per_call, windows = [], 5 if layout.with_spans else 3, tuple(windows)
+    for g, (num_rows, row_queries, row_keys) in enumerate(layout.calls):
         query_index, key_blocks, query_pos, *bounds = rest[per_call * g : per_call * (g + 1)]
         masks = _masks(query_pos.view(-1, 1, row_queries, 1), row_keys, windows, bounds)
         calls.append(AttentionRows(query_index, key_blocks, masks, num_rows, row_queries, row_keys))
     return StepMetadata(positions, slot_mapping, logits_indices, tuple(calls), rest[-1], ())
+
+
+def step_metadata(
+    chunks: list[SeqChunk],
+    block_size: int,
+    batch_invariant: bool,
+    device: torch.device,
+    windows: Iterable[int | None] = (None,),
+) -> StepMetadata:
+    """The step's indexing tensors, built on the host and copied to `device` in one transfer.
+    `windows`: the sliding windows of the model's layers (None = a global layer)."""
+    flat, layout = host_metadata(chunks, block_size, batch_invariant)
+    return device_metadata(flat.to(device), layout, windows)
 
 
 _EXACT: dict[tuple[int, int, int], bool] = {}  # (out, in, threads) -> rows independent of M
@@ -466,6 +498,18 @@ def forward_step(
     """Runs the step's new tokens ((tokens, hidden) embeddings, in chunk order) through every
     layer's `forward_paged`; returns the float32 logits of the tokens `meta.logits_indices`
     names."""
+    return step_logits(model, embeds, meta, kv, batch_invariant)
+
+
+def step_logits(
+    model: VisionLanguageModel,
+    embeds: torch.Tensor,
+    meta: StepMetadata,
+    kv: PagedKV,
+    batch_invariant: bool,
+) -> torch.Tensor:
+    """`forward_step` outside inference mode, for torch.compile: dynamo fails on the views
+    inference mode makes of normal tensors (torch 2.13: "Cannot set version_counter")."""
     rope = model.rope(meta.positions)
 
     def gemm(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -275,6 +275,7 @@ class QwenVL(nn.Module):
     pixel_scale: torch.Tensor
     pixel_shift: torch.Tensor
     inv_freq: torch.Tensor
+    mrope_axis: torch.Tensor
     bidirectional_images = False
 
     def __init__(self, cfg: QwenVLConfig) -> None:
@@ -295,6 +296,10 @@ class QwenVL(nn.Module):
         dim = self.cfg.text.head_dim
         steps = torch.arange(0, dim, 2, dtype=torch.float32) / dim
         self.register_buffer("inv_freq", 1.0 / (self.cfg.text.rope_theta**steps), persistent=False)
+        # Which of t, h, w turns each frequency pair: on the device, so that `rope` copies
+        # nothing from the host (a captured CUDA graph cannot).
+        axis = [i for i, n in enumerate(self.cfg.mrope_section) for _ in range(n)]
+        self.register_buffer("mrope_axis", torch.tensor(axis), persistent=False)
         self.visual.reset_buffers()
 
     def normalize(self, pixels_u8: torch.Tensor) -> torch.Tensor:
@@ -335,8 +340,7 @@ class QwenVL(nn.Module):
     def rope(self, positions: torch.Tensor) -> Rope:
         """(tokens,) or (3, tokens) positions -> cos, sin (tokens, head_dim): frequency pair i
         turns with the t, h or w position as `mrope_section` assigns it (in sections)."""
-        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(self.cfg.mrope_section))
-        return mrope(positions, self.inv_freq, axis)
+        return mrope(positions, self.inv_freq, self.mrope_axis)
 
     def embed(
         self, token_ids: list[int] | torch.Tensor, image_features: torch.Tensor | None
