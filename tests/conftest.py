@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,3 +111,15 @@ def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     s = start_stack(model_dir, tmp_path_factory.mktemp("stack"))
     yield s
     stop_stack(s)
+
+
+@pytest.fixture(autouse=True)
+def _tensor_class_untouched() -> Iterator[None]:
+    """Fails the test that leaves `torch.Tensor` patched (fake-CUDA stand-ins for `__getitem__`
+    or `copy_` cannot be undone: they belong in a child process, `tests.helpers.run_in_child`),
+    before it breaks every later test of the run."""
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        patched = {"__getitem__", "copy_"} & set(vars(torch.Tensor))
+        assert not patched, f"torch.Tensor left patched: {sorted(patched)}"
