@@ -379,8 +379,8 @@ def plan_media(
 ) -> Plan:
     """What one media item becomes under `rule`, from its header alone: at most
     max_sampled_frames frames (a native item keeps whole temporal patches of them), and the
-    tile grid (`detail`, the question's intent and `max_visual_tokens` choose it), crop grid or
-    native size of each."""
+    tile grid, native size or crop grid of each (`detail`, the question's intent and
+    `max_visual_tokens` choose it; gateway.tiling)."""
     w, h = probe.width, probe.height
     wanted = min(probe.num_frames, lim.max_sampled_frames)
     if rule.kind == "native":
@@ -388,10 +388,9 @@ def plan_media(
     # A video's worker samples by time: its frames are sample numbers.
     frames = tuple(range(wanted)) if is_video else tiling.sample_frames(probe.num_frames, wanted)
     if rule.kind == "native":
-        nw, nh = rule.native_size(w, h)
-        grid = tiling.Grid(nh // rule.factor, nw // rule.factor)
+        grid = tiling.native_grid(detail, w, h, rule, question, max_visual_tokens)
     elif rule.kind == "fixed":
-        grid = tiling.Grid(*rule.crop_grid(w, h))
+        grid = tiling.views_grid(detail, w, h, rule, question, max_visual_tokens)
     else:
         budget = tiling.Budget(
             rule.image_size, lim.max_tiles, rule.tokens_per_tile, max_visual_tokens

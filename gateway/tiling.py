@@ -1,7 +1,8 @@
-"""Dynamic resolution: which tile grid an image gets for a `detail` level, and frame sampling.
+"""Dynamic resolution: what geometry an image gets for a `detail` level under each kind of
+preprocessing rule (a tile grid, a native pixel budget, fixed views), and frame sampling.
 
 Pure functions of header values and the question's text, so the gateway can declare every item's
-grid to the core before any pixel is decoded, and the worker lays out exactly that grid. The
+geometry to the core before any pixel is decoded, and the worker lays out exactly that. The
 question is read here, in memory, for a handful of keywords; it is never logged.
 
 `detail=auto` is a per-image visual-token budget: the question's intent picks how many tiles an
@@ -9,12 +10,21 @@ image may take (reading, counting or fine detail: as many as `high`; colour, sha
 one; anything else: a middle budget), and the image's pixel count and aspect pick the grid under
 it (`select_grid`), so a small image stays one tile whatever is asked. Every level is bounded by
 `[limits] max_tiles` and by the request's `max_visual_tokens`, with one tile as the floor.
+
+The other kinds spend the same intent classes (`low` as coarse, `high` as fine): a native rule
+(Qwen) a share of its `max_pixels` (`NATIVE_SHARE`), resized as the processor's smart resize
+rounds, with `min_pixels` as the floor; a fixed rule (Gemma) its pan-and-scan crops for a fine
+intent only, with the whole image as the floor.
 """
 
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from shared.preprocess import PreprocessRule, smart_resize
 
 DETAILS = ("low", "auto", "high")
 
@@ -66,6 +76,9 @@ COARSE_WORDS = frozenset(
 )
 # Tiles (thumbnail included) `auto` may spend on one image per intent; None = what `high` takes.
 AUTO_TILES: dict[str, int | None] = {"fine": None, "general": 3, "coarse": 1}
+# Share of a native rule's max_pixels one frame may take per intent (of each side: all, a half,
+# a quarter).
+NATIVE_SHARE: dict[str, float] = {"fine": 1.0, "general": 1 / 4, "coarse": 1 / 16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +124,16 @@ def intent(question: str) -> str:
     return "general"
 
 
+def level(detail: str, question: str) -> str:
+    """The intent class a request spends as: `low` as coarse, `high` as fine, `auto` as the
+    question's own."""
+    if detail == "low":
+        return "coarse"
+    if detail == "high":
+        return "fine"
+    return intent(question)
+
+
 def select_grid(width: int, height: int, size: int, max_tiles: int) -> Grid:
     """LLaVA-NeXT's rule: among grids of at most `max_tiles` cells, keep the one that preserves
     the most of the image's own pixels once fitted; on a tie, the one that wastes the least."""
@@ -138,11 +161,75 @@ def grid_for(detail: str, width: int, height: int, budget: Budget, question: str
     """`low`: one tile. `high`: the best grid under the bounds. `auto`: the best grid under the
     question's intent budget (`AUTO_TILES`) and the bounds."""
     tiles = budget.most_tiles()
-    if detail == "low":
-        tiles = 1
-    elif detail != "high":
-        tiles = min(tiles, AUTO_TILES[intent(question)] or tiles)
+    tiles = min(tiles, AUTO_TILES[level(detail, question)] or tiles)
     return fit_grid(width, height, budget.size, tiles)
+
+
+def native_budget(
+    detail: str, rule: PreprocessRule, question: str = "", max_visual_tokens: int = 0
+) -> int:
+    """Pixels one frame may take under a native rule: the level's share of `max_pixels`, at most
+    `max_visual_tokens` merged tokens (factor^2 pixels each), never below `min_pixels`."""
+    pixels = int(rule.max_pixels * NATIVE_SHARE[level(detail, question)])
+    if max_visual_tokens > 0:
+        pixels = min(pixels, max_visual_tokens * rule.factor**2)
+    return max(pixels, rule.min_pixels)
+
+
+def _first(lo: int, hi: int, wanted: Callable[[int], bool]) -> int:
+    """The least value in [lo, hi] where `wanted` (monotone: False then True) holds; hi + 1 if
+    none."""
+    return lo + bisect_left(range(lo, hi + 1), True, key=wanted)
+
+
+def native_grid(
+    detail: str,
+    width: int,
+    height: int,
+    rule: PreprocessRule,
+    question: str = "",
+    max_visual_tokens: int = 0,
+) -> Grid:
+    """A frame's size in merged tokens (rows x cols) under a native rule: Qwen's smart resize
+    with `native_budget` as its max_pixels, so the pixels are what the processor makes at that
+    budget. Two edges pick another budget, the same rounding: an extreme aspect keeps its short
+    side at one token and can overshoot the budget (the largest budget that does not, else
+    min_pixels), and rounding down near min_pixels can fall under it (the least budget that
+    does not: min_pixels is the floor, as the core's admission requires)."""
+    budget = native_budget(detail, rule, question, max_visual_tokens)
+    least, f = rule.min_pixels, rule.factor
+
+    def area(pixels: int) -> int:
+        h, w = smart_resize(height, width, f, least, pixels)
+        return h * w
+
+    chosen = budget
+    if area(chosen) > budget:
+        chosen = max(least, _first(least, budget, lambda b: area(b) > budget) - 1)
+    if area(chosen) < least:
+        chosen = min(rule.max_pixels, _first(chosen, rule.max_pixels, lambda b: area(b) >= least))
+    h, w = smart_resize(height, width, f, least, chosen)
+    return Grid(h // f, w // f)
+
+
+def views_grid(
+    detail: str,
+    width: int,
+    height: int,
+    rule: PreprocessRule,
+    question: str = "",
+    max_visual_tokens: int = 0,
+) -> Grid:
+    """A fixed rule's pan-and-scan crop grid (1 x 1: the whole image only): the rule's crops
+    for a fine level (`high`, or `auto` with a fine intent), none otherwise; `max_visual_tokens`
+    caps the views (whole image plus crops) at `tokens_per_image` each, as a rule with fewer
+    crops would cut them, with the whole image as the floor."""
+    if level(detail, question) != "fine":
+        return ONE
+    if max_visual_tokens > 0:
+        views = max(1, max_visual_tokens // rule.tokens_per_image)
+        rule = rule.bounded(rule.max_pixels, views)
+    return Grid(*rule.crop_grid(width, height))
 
 
 def sample_frames(num_frames: int, max_sampled: int) -> tuple[int, ...]:

@@ -157,11 +157,6 @@ class PreprocessRule:
         n, _, h, w = shape
         return (-(-n // self.temporal_patch_size), h // self.factor, w // self.factor)
 
-    def native_size(self, width: int, height: int) -> tuple[int, int]:
-        """Native: (width, height) a frame is resized to (Qwen's smart resize)."""
-        h, w = smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
-        return w, h
-
     def native_frames(self, num_sampled: int) -> int:
         """Native: frames an animation or video keeps of `num_sampled`, rounded down to whole
         temporal patches as the video processor does (fewer than one patch: all of them; the

@@ -100,7 +100,8 @@ def build(
 ) -> gateway_pb2.GenerateRequest:
     """The request; `params` are GenerationParams fields (max_new_tokens, temperature, top_p,
     top_k, seed, stop, min_new_tokens, logprobs, top_logprobs). Unknown names raise ValueError.
-    `max_visual_tokens` bounds each image's tiles (0 = unset)."""
+    `max_visual_tokens` bounds each image's visual tokens (tiles, native pixels or views; 0 =
+    unset)."""
     if detail not in DETAILS:
         raise ValueError(f"detail must be one of {sorted(DETAILS)}")
     if max_visual_tokens < 0:

@@ -81,7 +81,7 @@ def gateway_views(worker: Worker, data: bytes, rule: PreprocessRule) -> np.ndarr
     body = worker.run("probe", {**probe_args, "max_frames": lim.max_frames}, data).body
     probe = decode.Probe(int(body["width"]), int(body["height"]), int(body["num_frames"]))
     bounded = bounded_rule(rule, lim)
-    plan = plan_media(0, probe, False, "auto", bounded, lim)
+    plan = plan_media(0, probe, False, "high", bounded, lim)
     spec = decode_spec(fmt, plan.grid, (0,), bounded, (0, 0, 0), lim)
     (array,) = worker.run("decode", spec.to_json(), data).arrays
     assert array.shape == bounded.item_shape(plan.grid.rows, plan.grid.cols)
@@ -228,8 +228,8 @@ def test_max_tiles_bounds_the_crops_of_a_rule(tmp_path: Path) -> None:
     bounded = bounded_rule(rule, lim)
     assert bounded.max_num_crops == 3 and rule.max_num_crops == 8
     probe = decode.Probe(2400, 300, 1)
-    assert plan_media(0, probe, False, "auto", bounded, lim).grid.cols == 3
-    assert plan_media(0, probe, False, "auto", rule, LIMITS).grid.cols == 8
+    assert plan_media(0, probe, False, "high", bounded, lim).grid.cols == 3
+    assert plan_media(0, probe, False, "high", rule, LIMITS).grid.cols == 8
 
 
 def test_a_native_animation_is_one_item_of_whole_temporal_patches(
@@ -242,7 +242,7 @@ def test_a_native_animation_is_one_item_of_whole_temporal_patches(
     frames = [_scene(150, 100, seed=20 + i) for i in range(5)]
     data = _encode(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=100)
     probe = decode.Probe(150, 100, 5)
-    plan = plan_media(0, probe, False, "auto", rule, LIMITS)
+    plan = plan_media(0, probe, False, "high", rule, LIMITS)
     assert plan.stacked and plan.frames == (0, 1, 3, 4) and plan.items == (plan.frames,)
     shape = rule.item_shape(plan.grid.rows, plan.grid.cols, len(plan.frames))
     assert shape[0] == 4 and rule.visual_tokens(shape) == 2 * shape[2] * shape[3] // 28**2

@@ -73,6 +73,7 @@ def _ask(stack: Stack, media: list[bytes], profile: str = "") -> Answer:
             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, logprobs=True
         ),
         profile=profile,
+        detail=gateway_pb2.DETAIL_HIGH,  # the processor's own sizes (`auto` would read PROMPT)
     )
     logprobs: list[float] = []
     final = None
