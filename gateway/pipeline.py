@@ -64,6 +64,7 @@ class Plan:
     grid: tiling.Grid
     frames: tuple[int, ...]  # sampled frame indices
     stacked: bool = False  # all frames are one core item (native), else one item each
+    interval_s: float = 0.0  # stacked: mean seconds between its frames (a video); 0 = a still
 
     @property
     def items(self) -> tuple[tuple[int, ...], ...]:
@@ -311,7 +312,10 @@ class Pipeline:
             for k, reply in zip(todo, await _all(jobs), strict=True):
                 body = reply.body
                 found[k] = decode.Probe(
-                    int(body["width"]), int(body["height"]), int(body["num_frames"])
+                    int(body["width"]),
+                    int(body["height"]),
+                    int(body["num_frames"]),
+                    tuple(float(s) for s in body["starts_s"]),
                 )
                 self.probes.put(k, found[k])
             timings["probe"] = _ms(t0)
@@ -378,16 +382,20 @@ def plan_media(
     max_visual_tokens: int = 0,
 ) -> Plan:
     """What one media item becomes under `rule`, from its header alone: at most
-    max_sampled_frames frames (a native item keeps whole temporal patches of them), and the
-    tile grid (`detail`, the question's intent and `max_visual_tokens` choose it), crop grid or
-    native size of each."""
+    max_sampled_frames frames (a native item keeps whole temporal patches of them, and is a
+    video of the mean time between them, or its first frame alone where its frames have no
+    timing), and the tile grid (`detail`, the question's intent and `max_visual_tokens` choose
+    it), crop grid or native size of each."""
     w, h = probe.width, probe.height
     wanted = min(probe.num_frames, lim.max_sampled_frames)
     if rule.kind == "native":
         wanted = rule.native_frames(wanted)
     # A video's worker samples by time: its frames are sample numbers.
     frames = tuple(range(wanted)) if is_video else tiling.sample_frames(probe.num_frames, wanted)
+    interval = 0.0
     if rule.kind == "native":
+        interval = _interval(probe.starts_s, frames)
+        frames = frames if interval > 0 else frames[:1]  # e.g. MPO: its primary image
         nw, nh = rule.native_size(w, h)
         grid = tiling.Grid(nh // rule.factor, nw // rule.factor)
     elif rule.kind == "fixed":
@@ -397,7 +405,14 @@ def plan_media(
             rule.image_size, lim.max_tiles, rule.tokens_per_tile, max_visual_tokens
         )
         grid = tiling.grid_for(detail, w, h, budget, question)
-    return Plan(index, grid, frames, stacked=rule.kind == "native")
+    return Plan(index, grid, frames, rule.kind == "native", interval)
+
+
+def _interval(starts_s: tuple[float, ...], frames: tuple[int, ...]) -> float:
+    """Mean seconds between `frames` (0 for one frame, or frames without timing)."""
+    if len(frames) < 2 or len(starts_s) <= frames[-1]:
+        return 0.0
+    return max(0.0, (starts_s[frames[-1]] - starts_s[frames[0]]) / (len(frames) - 1))
 
 
 def decode_spec(
@@ -439,6 +454,7 @@ def _headers(
             p.grid.cols,
             rule.item_shape(p.grid.rows, p.grid.cols, len(frames)),
             frames[0],
+            p.interval_s,
         )
         for p, frames in items
     )
