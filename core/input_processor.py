@@ -138,12 +138,8 @@ class InputProcessor:
         if sum(t.num_images for t in req.turns) != len(counts):
             raise VisorError(Reason.INVALID_REQUEST, "turns show a different number of items")
         slots = self._slots(req.items, len(counts))
-        turns = _with_kinds(req.turns, req.items)
-        if prompt_ids is None:
-            ids = self.tokenizer.encode_prompt(turns, list(slots))
-        else:
-            ids = prompt_ids
-        tok = self.tokenizer
+        turns, tok = _with_kinds(req.turns, req.items), self.tokenizer
+        ids = tok.encode_prompt(turns, list(slots)) if prompt_ids is None else prompt_ids
         wanted = [tok.slot_id(k) for t in turns for k in t.items]
         placed = [i for i in ids if tok.is_slot(i)]
         if placed != [s for s, n in zip(wanted, slots, strict=True) for _ in range(n)]:
@@ -215,7 +211,8 @@ class InputProcessor:
     def _check_video(self, item: ItemSpec) -> None:
         """Refuses a video this core's model cannot be shown, and frames without timing: a
         video's rope positions need the seconds between its frames."""
-        if item.frame_interval_s < 0 or (item.shape[0] > 1 and not item.is_video):
+        frames = item.shape[0] if self.info.rule.kind == "native" else 1  # else: views
+        if item.frame_interval_s < 0 or (frames > 1 and not item.is_video):
             raise VisorError(
                 Reason.INVALID_REQUEST,
                 "an item of several frames must declare their frame_interval_s (> 0)",

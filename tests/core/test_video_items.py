@@ -50,9 +50,8 @@ def test_turn_kinds_render_as_transformers_renders_them(qwen_dir: Path) -> None:
     chat = _chat(qwen_dir)
     fast = transformers.PreTrainedTokenizerFast.from_pretrained(qwen_dir)
     kinds = (VIDEO, IMAGE, VIDEO)
-    messages = [
-        {"role": "user", "content": [{"type": k} for k in kinds] + [{"type": "text", "text": PROMPT}]}
-    ]
+    content = [{"type": k} for k in kinds] + [{"type": "text", "text": PROMPT}]
+    messages = [{"role": "user", "content": content}]
     want = fast.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )

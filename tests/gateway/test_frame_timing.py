@@ -29,9 +29,7 @@ NATIVE = PreprocessRule(
 def _animation(fmt: str, durations: list[int], **options: object) -> bytes:
     frames = [Image.new("RGB", (40, 30), (i * 50 % 256, 90, 200 - i * 30)) for i in durations]
     out = io.BytesIO()
-    frames[0].save(
-        out, fmt, save_all=True, append_images=frames[1:], duration=durations, **options
-    )
+    frames[0].save(out, fmt, save_all=True, append_images=frames[1:], duration=durations, **options)
     return out.getvalue()
 
 
