@@ -1,8 +1,9 @@
 """One request through the gateway: limits -> sniff -> probe -> plan items -> handshake with the
 core -> decode misses -> stream tensors -> relay tokens. Plain values in, plain events out.
 
-An animation becomes one item per sampled frame (same content hash, its own frame index); a
-`detail=high` image becomes one item of several tiles. Both are planned from headers alone, so the
+An animation becomes one item per sampled frame (same content hash, its own frame index), or,
+under a native rule, one item of its frames that the core shows as a video of the seconds between
+them; a `detail=high` image becomes one item of several tiles. Both are planned from headers alone, so the
 core is told every item's geometry before any pixel is decoded.
 """
 
