@@ -29,6 +29,10 @@ from core.types import CoreInfo, InferRequest, ItemSpec
 from shared.errors import Reason, VisorError
 from shared.sampling import check_logprobs, check_response_format, check_sampling, check_stop
 
+# Seconds between a video item's frames at most: rope time steps stay small integers (a GIF's
+# longest delay is 655 s).
+MAX_FRAME_INTERVAL_S = 3600.0
+
 
 class QueueSlot:
     """A place in the scheduler's queue, held from admission until the scheduler has the request
@@ -212,10 +216,12 @@ class InputProcessor:
         """Refuses a video this core's model cannot be shown, and frames without timing: a
         video's rope positions need the seconds between its frames."""
         frames = item.shape[0] if self.info.rule.kind == "native" else 1  # else: views
-        if item.frame_interval_s < 0 or (frames > 1 and not item.is_video):
+        interval = item.frame_interval_s
+        if not 0 <= interval <= MAX_FRAME_INTERVAL_S or (frames > 1 and not item.is_video):
             raise VisorError(
                 Reason.INVALID_REQUEST,
-                "an item of several frames must declare their frame_interval_s (> 0)",
+                f"an item of several frames must declare their frame_interval_s (> 0, at most "
+                f"{MAX_FRAME_INTERVAL_S:g})",
             )
         if item.is_video and self.tokenizer.video_token_id is None:
             raise VisorError(
