@@ -130,7 +130,8 @@ async def _through_pool(pool: DecodePool, data: bytes, tile: int) -> None:
     fmt = sniff(data)
     args = {"fmt": fmt, "max_pixels": lim.max_pixels, "max_side": lim.max_side}
     reply = await pool.run("probe", {**args, "max_frames": lim.max_frames}, data)
-    p = decode.Probe(*(int(reply.body[k]) for k in ("width", "height", "num_frames")))
+    body = reply.body
+    p = decode.Probe(int(body["width"]), int(body["height"]), int(body["num_frames"]))
     done = await pool.run("decode", _spec(data, p, tile).to_json(), data)
     assert done.arrays[0].shape == (1, 3, tile, tile)
 

@@ -72,6 +72,7 @@ class VisualItem:
 
     grid: tuple[int, int, int] = (1, 1, 1)  # (t, h, w) in merged-token units
     kept: Kept | None = None  # the tokens compression kept; None = every one
+    seconds: float = 0.0  # a video's seconds per temporal patch (t of its grid); 0 = an image
 
 
 def item_encoder(model: VisionLanguageModel) -> Llava | encoders.ItemModel:
@@ -137,7 +138,8 @@ class Engine:
         self.model: VisionLanguageModel = load_model(model_dir, self.device, self.dtype)
         cfg = self.model.cfg
         layout = getattr(self.model, "image_layout", None)  # Gemma 3's views in the prompt
-        self.tokenizer = ChatTokenizer(model_dir, cfg.image_token_id, layout)
+        video = getattr(self.model, "video_token_id", None)  # families that serve video
+        self.tokenizer = ChatTokenizer(model_dir, cfg.image_token_id, layout, video)
         eos = self.tokenizer.tok.token_to_id(self.tokenizer.eos_token)
         self.eos_ids = set(cfg.text.eos_token_id) | ({eos} if eos is not None else set())
         self.info = CoreInfo(
@@ -245,9 +247,9 @@ class Engine:
         `request` comes from `inputs.admit`; an `InferRequest` is admitted here, its visual
         tokens counted from `features` (in-process callers). `content_keys` name each item's
         features (for prefix reuse); by default they are hashes of the features themselves.
-        Prefix reuse is salted by the tenant. `visual`: per item its grid and the tokens
-        compression kept, for the model's rope positions (default: a (1, 1, 1) grid, none
-        dropped)."""
+        Prefix reuse is salted by the tenant. `visual`: per item its grid, the tokens
+        compression kept and a video's seconds per temporal patch, for the model's rope
+        positions (default: an image of a (1, 1, 1) grid, none dropped)."""
         items = visual or [VisualItem() for _ in features]
         return self._generate(request, features, timings, visual_before, content_keys, None, items)
 
@@ -339,6 +341,7 @@ class Engine:
             tuple(item.grid for item in items),
             tuple((span.start, span.end) for span in spans),
             tuple(item.kept for item in items),
+            tuple(item.seconds for item in items),
         )
         self._inbox.put(lambda: self._add(seq, inputs, sink, admitted))
         metrics.ACTIVE_GENERATIONS.inc()

@@ -34,6 +34,7 @@ class FeatureService:
                 item.tile_cols,
                 item.frame,
                 item.shape,
+                item.frame_interval_s,
             )
             for item in req.items
         ]

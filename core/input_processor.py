@@ -2,7 +2,8 @@
 once, before any compute, in time that does not depend on what the header declares.
 
 It checks the sampling values, stop strings, logprob and format controls, the items' count and
-declared geometry; tokenises the conversation once (one id per image slot); counts each item's
+declared geometry; tokenises the conversation once (one id per image slot; an item that declares
+a frame interval is shown as a video, where the model serves video); counts each item's
 visual tokens from its declared grid with the arithmetic compression itself uses
 (`compression.visual_tokens`), so a request at the limit is admitted and one token over is
 refused before encoding; checks the request's total against the per-request cap (TOKEN_BUDGET);
@@ -14,18 +15,23 @@ and generation, which only expands the image slots to the visual tokens the feat
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 
 from core import compression
 from core.config import SchedulerConfig
 from core.kv_cache import ImageSpan
-from core.model.tokenizer import ChatTokenizer
+from core.model.tokenizer import IMAGE, VIDEO, ChatTokenizer, ChatTurn
 from core.structured import Grammar, GrammarCompiler
 from core.types import CoreInfo, InferRequest, ItemSpec
 from shared.errors import Reason, VisorError
 from shared.sampling import check_logprobs, check_response_format, check_sampling, check_stop
+
+# Seconds between a video item's frames at most: rope time steps stay small integers (a GIF's
+# longest delay is 655 s).
+MAX_FRAME_INTERVAL_S = 3600.0
 
 
 class QueueSlot:
@@ -136,11 +142,11 @@ class InputProcessor:
         if sum(t.num_images for t in req.turns) != len(counts):
             raise VisorError(Reason.INVALID_REQUEST, "turns show a different number of items")
         slots = self._slots(req.items, len(counts))
-        if prompt_ids is None:
-            ids = self.tokenizer.encode_prompt(list(req.turns), list(slots))
-        else:
-            ids = prompt_ids
-        if ids.count(self.tokenizer.image_token_id) != sum(slots):
+        turns, tok = _with_kinds(req.turns, req.items), self.tokenizer
+        ids = tok.encode_prompt(turns, list(slots)) if prompt_ids is None else prompt_ids
+        wanted = [tok.slot_id(k) for t in turns for k in t.items]
+        placed = [i for i in ids if tok.is_slot(i)]
+        if placed != [s for s, n in zip(wanted, slots, strict=True) for _ in range(n)]:
             raise VisorError(Reason.INVALID_REQUEST, "the chat template has other image places")
         total = len(ids) - sum(slots) + sum(counts) + p.max_new_tokens
         if total > self.max_request_tokens:
@@ -175,14 +181,7 @@ class InputProcessor:
         counts = []
         for item in items:
             self._check_item(item)
-            if rule.kind == "native" and item.shape[0] > 1:
-                # The prompt would show it as an image; as a video its rope positions need the
-                # frames' timing, which no item carries yet.
-                raise VisorError(
-                    Reason.INVALID_REQUEST,
-                    "this core's model (native preprocessing) serves still images only: send "
-                    "one frame per item (the gateway's max_sampled_frames = 1)",
-                )
+            self._check_video(item)
             if rule.kind == "tiles":
                 views = item.shape[0]
                 counts.append(compression.visual_tokens(rule.tokens_per_tile, views, chosen))
@@ -212,6 +211,24 @@ class InputProcessor:
                 Reason.INVALID_REQUEST, "item geometry does not match this core's encoder"
             )
         rule.check_shape(item.shape)
+
+    def _check_video(self, item: ItemSpec) -> None:
+        """Refuses a video this core's model cannot be shown, and frames without timing: a
+        video's rope positions need the seconds between its frames."""
+        frames = item.shape[0] if self.info.rule.kind == "native" else 1  # else: views
+        interval = item.frame_interval_s
+        if not 0 <= interval <= MAX_FRAME_INTERVAL_S or (frames > 1 and not item.is_video):
+            raise VisorError(
+                Reason.INVALID_REQUEST,
+                f"an item of several frames must declare their frame_interval_s (> 0, at most "
+                f"{MAX_FRAME_INTERVAL_S:g})",
+            )
+        if item.is_video and self.tokenizer.video_token_id is None:
+            raise VisorError(
+                Reason.INVALID_REQUEST,
+                "this core's model serves still images only: send one frame per item (the "
+                "gateway's max_sampled_frames = 1)",
+            )
 
     def _reserve(self) -> QueueSlot:
         with self._lock:
@@ -244,12 +261,20 @@ class InputProcessor:
             raise VisorError(Reason.INTERNAL, "features differ from what admission counted")
         per_slot = [(v // n, key) for v, n, key in zip(visual, slots, keys, strict=True)]
         runs = [run for run, n in zip(per_slot, slots, strict=True) for _ in range(n)]
-        image_id = self.tokenizer.image_token_id
         ids = self.tokenizer.expand(list(admitted.prompt_ids), [count for count, _ in runs])
         spans, pos = [], 0
         for count, key in runs:
-            while ids[pos] != image_id:
+            while not self.tokenizer.is_slot(ids[pos]):
                 pos += 1
             spans.append(ImageSpan(pos, pos + count, key))
             pos += count
         return ids, tuple(spans)
+
+
+def _with_kinds(turns: tuple[ChatTurn, ...], items: tuple[ItemSpec, ...]) -> list[ChatTurn]:
+    """The turns with each of their items shown as a video or an image (in-process callers that
+    pass features without items show images)."""
+    if not any(item.is_video for item in items):
+        return list(turns)
+    kinds = iter(VIDEO if item.is_video else IMAGE for item in items)
+    return [replace(t, kinds=tuple(itertools.islice(kinds, t.num_images))) for t in turns]

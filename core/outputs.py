@@ -44,6 +44,7 @@ class NewRequestData:
     ] = ()  # per item, the [start, end) of its tokens in the prompt
     kept: tuple[Kept | None, ...] = ()  # per item, which of its uncompressed tokens the features
     # kept (their rope positions stay theirs); None = every one, in order
+    seconds: tuple[float, ...] = ()  # per item, a video's seconds per temporal patch; 0 = image
 
 
 @dataclass(frozen=True, slots=True)

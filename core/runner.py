@@ -235,13 +235,16 @@ def prompt_positions(
     """The prompt's rope positions (host) and the delta of its generated tokens. Where the
     features of an item dropped or merged tokens, positions come from the uncompressed prompt:
     each kept token keeps the position it had there (for families whose positions are not the
-    indices; 1-D rope families stay contiguous)."""
+    indices; 1-D rope families stay contiguous). Videos' seconds per temporal patch go only to a
+    model that serves video (admission refuses videos for the others)."""
     ids = list(new.prompt_token_ids)
+    videos = [s for s in new.seconds if s > 0]
+    timing = {"seconds": videos} if videos else {}
     if all(k is None for k in new.kept):
-        positions, delta = model.prompt_positions(ids, list(new.grids))
+        positions, delta = model.prompt_positions(ids, list(new.grids), **timing)
         return (None if positions is None else positions.cpu()), delta
     full, columns = _uncompressed(ids, new.spans, new.kept)
-    positions, delta = model.prompt_positions(full, list(new.grids))
+    positions, delta = model.prompt_positions(full, list(new.grids), **timing)
     if positions is None:
         return None, 0
     kept = positions.cpu().index_select(-1, torch.tensor(columns))

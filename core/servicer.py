@@ -56,6 +56,7 @@ def request_from_proto(h: core_pb2.InferHeader) -> InferRequest:
                 i.dtype,
                 tuple(i.shape),
                 i.frame,
+                i.frame_interval_s,
             )
             for i in h.items
         ),
@@ -159,10 +160,12 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
             features = [f for f, _ in compressed]
             kept = [k for _, k in compressed]
             timings["compress"] = (time.perf_counter() - t0) * 1000
-        # Each item's grid follows from its checked shape (a cache hit's too), for the rope.
+        # Each item's grid follows from its checked shape (a cache hit's too), and a video's
+        # time per temporal patch from its frame interval, for the rope.
         rule = self.engine.info.rule
         visual = [
-            VisualItem(rule.grid(item.shape), k) for item, k in zip(req.items, kept, strict=True)
+            VisualItem(rule.grid(item.shape), k, item.frame_interval_s * rule.temporal_patch_size)
+            for item, k in zip(req.items, kept, strict=True)
         ]
         before = sum(e.features.shape[0] for e in full)
         # Prefix reuse names each item's tokens by its feature-cache key and the profile that

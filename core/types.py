@@ -33,6 +33,12 @@ class ItemSpec:
     dtype: str  # wire dtype
     shape: tuple[int, ...]  # (n, 3, H, W) as the rule's kind lays it out (core.proto ItemSpec)
     frame: int = 0  # frame index within an animation or video
+    frame_interval_s: float = 0.0  # native: seconds between its sampled frames; 0 = still image
+
+    @property
+    def is_video(self) -> bool:
+        """Shown to the model as a video (its frames taken `frame_interval_s` apart)."""
+        return self.frame_interval_s > 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,7 @@ class ItemHeader:
     tile_cols: int  # grid cols
     shape: tuple[int, ...]  # tensor shape
     frame: int = 0  # frame index within an animation or video
+    frame_interval_s: float = 0.0  # native: seconds between its frames (a video); 0 = a still
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +125,7 @@ def _header(req: CoreRequest) -> core_pb2.InferHeader:
             dtype="uint8",
             shape=list(item.shape),
             frame=item.frame,
+            frame_interval_s=item.frame_interval_s,
         )
     return header
 

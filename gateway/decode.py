@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import time
 import warnings
 from collections.abc import Iterator
@@ -31,7 +32,10 @@ BACKGROUND = (255, 255, 255)
 class Probe:
     width: int  # canvas width from the header
     height: int  # canvas height from the header
-    num_frames: int  # declared frames (1 for a still image)
+    num_frames: int  # declared frames (1 for a still image); a video's: the frames it samples
+    # When each frame shows, in seconds from the first (an animation's delays, a video's sample
+    # times); () for a still image or an animation whose delays cannot be read.
+    starts_s: tuple[float, ...] = ()
 
 
 # EXIF orientations that swap width and height.
@@ -163,13 +167,17 @@ def probe(data: bytes, fmt: str, max_pixels: int, max_side: int, max_frames: int
         with refusals("media could not be parsed"):
             png = headers.read_png(data) if fmt == "PNG" else None
             if fmt == "GIF":
-                num_frames = _gif_frames(data, max_pixels, max_side, max_frames)
+                num_frames, delays = _gif_frames(data, max_pixels, max_side, max_frames)
             else:
                 num_frames = _frames(img, png, max_pixels, max_side, max_frames)
+                delays = _delays(data, fmt, png, num_frames, bool(img.info.get("default_image")))
             orientation = _orientation(img) if png is None else _png_orientation(png.meta)
         if orientation in TRANSPOSED:
             width, height = height, width
-        return Probe(width, height, num_frames)
+        # The last frame's delay says when the animation loops, not when a frame shows.
+        starts = tuple(itertools.accumulate(delays[: num_frames - 1], initial=0.0))
+        timed = num_frames > 1 and len(starts) == num_frames
+        return Probe(width, height, num_frames, starts if timed else ())
 
 
 def _frame_limit(num_frames: int, max_frames: int) -> None:
@@ -177,13 +185,30 @@ def _frame_limit(num_frames: int, max_frames: int) -> None:
         raise VisorError(Reason.FRAME_LIMIT, f"frames exceed max_frames ({max_frames})")
 
 
-def _gif_frames(data: bytes, max_pixels: int, max_side: int, max_frames: int) -> int:
+def _gif_frames(
+    data: bytes, max_pixels: int, max_side: int, max_frames: int
+) -> tuple[int, tuple[float, ...]]:
     """A GIF declares no frame count: its blocks are walked, no further than the limit. A frame
-    reaching past the canvas grows it (as Pillow does), so every frame's extent is checked."""
+    reaching past the canvas grows it (as Pillow does), so every frame's extent is checked.
+    Delays in seconds as browsers show them: 0 or 1/100 s is shown as 1/10 s."""
     gif = headers.gif_frames(data, max_frames)
     _frame_limit(gif.num_frames, max_frames)
     check_pixels(gif.width, gif.height, max_pixels, max_side)
-    return gif.num_frames
+    return gif.num_frames, tuple(d / 100 if d > 1 else 0.1 for d in gif.delays)
+
+
+def _delays(
+    data: bytes, fmt: str, png: headers.PngHeaders | None, num_frames: int, default_image: bool
+) -> tuple[float, ...]:
+    """Each frame's delay in seconds from its header: APNG's frame controls (a default image
+    outside the animation shows for none), WebP's ANMF chunks; () for other formats."""
+    if num_frames < 2:
+        return ()
+    if png is not None:
+        return (0.0,) * default_image + png.delays
+    if fmt == "WEBP":
+        return tuple(ms / 1000 for ms in headers.webp_delays(data, num_frames))
+    return ()
 
 
 def _frames(

@@ -1,6 +1,7 @@
 """What an image declares, read without decoding a pixel: a PNG's metadata chunks and APNG frame
 controls wherever they sit in the file (Pillow reads the ones after the image data only by
-decoding it), and a GIF's frames and their extents.
+decoding it), a GIF's frames and their extents, and every animation's frame delays (GIF graphic
+controls, APNG frame controls, WebP ANMF chunks).
 
 Runs only inside a decode worker: these walk untrusted bytes. Each walk reads chunk or block
 headers only and is linear in the file; a GIF walk stops one frame past the caller's limit. A
@@ -17,12 +18,14 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Chunks Pillow takes EXIF orientation from: eXIf, a "Raw profile type exif" text, or XMP.
 PNG_META = frozenset({b"eXIf", b"tEXt", b"zTXt", b"iTXt"})
 GIF_EXTENSION, GIF_IMAGE, GIF_TRAILER = 0x21, 0x2C, 0x3B
+GIF_GRAPHIC_CONTROL = 0xF9  # the extension that holds the next frame's delay
 
 
 @dataclass(frozen=True, slots=True)
 class PngHeaders:
     meta: tuple[bytes, ...]  # PNG_META chunks, whole, in file order (CRC recomputed)
     frames: tuple[tuple[int, int, int, int], ...]  # each fcTL's (width, height, x, y)
+    delays: tuple[float, ...] = ()  # each fcTL's delay in seconds (delay_num / delay_den)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +33,7 @@ class GifFrames:
     num_frames: int  # image blocks found, counting no further than the limit + 1
     width: int  # the canvas grown to every counted frame's extents, as Pillow grows it
     height: int
+    delays: tuple[int, ...] = ()  # per counted frame, its graphic control's delay (1/100 s)
 
 
 def _chunk(kind: bytes, body: bytes) -> bytes:
@@ -39,6 +43,7 @@ def _chunk(kind: bytes, body: bytes) -> bytes:
 def read_png(data: bytes) -> PngHeaders:
     meta: list[bytes] = []
     frames: list[tuple[int, int, int, int]] = []
+    delays: list[float] = []
     pos = len(PNG_SIGNATURE)
     while pos + 8 <= len(data):
         length, kind = struct.unpack(">I4s", data[pos : pos + 8])
@@ -49,10 +54,11 @@ def read_png(data: bytes) -> PngHeaders:
         if kind in PNG_META:
             meta.append(_chunk(kind, body))
         elif kind == b"fcTL" and length >= 26:
-            width, height, x, y = struct.unpack(">IIII", body[4:20])
+            width, height, x, y, num, den = struct.unpack(">IIIIHH", body[4:24])
             frames.append((width, height, x, y))
+            delays.append(num / (den or 100))  # a zero denominator means 1/100 s (APNG spec)
         pos = end + 4  # past the CRC
-    return PngHeaders(tuple(meta), tuple(frames))
+    return PngHeaders(tuple(meta), tuple(frames), tuple(delays))
 
 
 # A 1x1 greyscale PNG around borrowed metadata chunks (see `png_stand_in`).
@@ -72,24 +78,42 @@ def gif_frames(data: bytes, limit: int) -> GifFrames:
     decompressing anything."""
     width, height, flags = struct.unpack("<HHB", data[6:11])
     pos = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)
-    num_frames = 0
+    num_frames, delay = 0, 0
+    delays: list[int] = []
     while pos < len(data) and num_frames <= limit:
         block = data[pos]
         if block == GIF_TRAILER:
             break
         if block == GIF_EXTENSION:
+            if data[pos + 1 : pos + 3] == bytes((GIF_GRAPHIC_CONTROL, 4)) and pos + 6 <= len(data):
+                delay = int.from_bytes(data[pos + 4 : pos + 6], "little")
             pos = _skip_sub_blocks(data, pos + 2)  # introducer, label
         elif block == GIF_IMAGE:
             if pos + 10 > len(data):
                 break
             x, y, w, h, local = struct.unpack("<HHHHB", data[pos + 1 : pos + 10])
             num_frames += 1
+            delays.append(delay)
+            delay = 0
             width, height = max(width, x + w), max(height, y + h)
             pos += 10 + (3 << ((local & 7) + 1) if local & 0x80 else 0)
             pos = _skip_sub_blocks(data, pos + 1)  # the LZW code size, then the data
         else:
             pos += 1
-    return GifFrames(num_frames, width, height)
+    return GifFrames(num_frames, width, height, tuple(delays))
+
+
+def webp_delays(data: bytes, limit: int) -> tuple[int, ...]:
+    """Each ANMF (animation frame) chunk's duration in milliseconds, in file order, walking
+    the RIFF chunk headers and no further than `limit` + 1 frames."""
+    delays: list[int] = []
+    pos = 12  # "RIFF", size, "WEBP"
+    while pos + 8 <= len(data) and len(delays) <= limit:
+        kind, size = struct.unpack("<4sI", data[pos : pos + 8])
+        if kind == b"ANMF" and size >= 16 and pos + 23 <= len(data):
+            delays.append(int.from_bytes(data[pos + 20 : pos + 23], "little"))
+        pos += 8 + size + (size & 1)  # chunks are padded to an even size
+    return tuple(delays)
 
 
 def _skip_sub_blocks(data: bytes, pos: int) -> int:

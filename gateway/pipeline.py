@@ -1,9 +1,10 @@
 """One request through the gateway: limits -> sniff -> probe -> plan items -> handshake with the
 core -> decode misses -> stream tensors -> relay tokens. Plain values in, plain events out.
 
-An animation becomes one item per sampled frame (same content hash, its own frame index); a
-`detail=high` image becomes one item of several tiles. Both are planned from headers alone, so the
-core is told every item's geometry before any pixel is decoded.
+An animation becomes one item per sampled frame (same content hash, its own frame index), or,
+under a native rule, one item of its frames that the core shows as a video of the seconds
+between them; a `detail=high` image becomes one item of several tiles. Both are planned from
+headers alone, so the core is told every item's geometry before any pixel is decoded.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class Plan:
     grid: tiling.Grid
     frames: tuple[int, ...]  # sampled frame indices
     stacked: bool = False  # all frames are one core item (native), else one item each
+    interval_s: float = 0.0  # stacked: mean seconds between its frames (a video); 0 = a still
 
     @property
     def items(self) -> tuple[tuple[int, ...], ...]:
@@ -311,7 +313,10 @@ class Pipeline:
             for k, reply in zip(todo, await _all(jobs), strict=True):
                 body = reply.body
                 found[k] = decode.Probe(
-                    int(body["width"]), int(body["height"]), int(body["num_frames"])
+                    int(body["width"]),
+                    int(body["height"]),
+                    int(body["num_frames"]),
+                    tuple(float(s) for s in body["starts_s"]),
                 )
                 self.probes.put(k, found[k])
             timings["probe"] = _ms(t0)
@@ -378,16 +383,20 @@ def plan_media(
     max_visual_tokens: int = 0,
 ) -> Plan:
     """What one media item becomes under `rule`, from its header alone: at most
-    max_sampled_frames frames (a native item keeps whole temporal patches of them), and the
-    tile grid, native size or crop grid of each (`detail`, the question's intent and
-    `max_visual_tokens` choose it; gateway.tiling)."""
+    max_sampled_frames frames (a native item keeps whole temporal patches of them, and is a
+    video of the mean time between them, or its first frame alone where its frames have no
+    timing), and the tile grid, native size or crop grid of each (`detail`, the question's intent
+    and `max_visual_tokens` choose it; gateway.tiling)."""
     w, h = probe.width, probe.height
     wanted = min(probe.num_frames, lim.max_sampled_frames)
     if rule.kind == "native":
         wanted = rule.native_frames(wanted)
     # A video's worker samples by time: its frames are sample numbers.
     frames = tuple(range(wanted)) if is_video else tiling.sample_frames(probe.num_frames, wanted)
+    interval = 0.0
     if rule.kind == "native":
+        interval = _interval(probe.starts_s, frames)
+        frames = frames if interval > 0 else frames[:1]  # e.g. MPO: its primary image
         grid = tiling.native_grid(detail, w, h, rule, question, max_visual_tokens)
     elif rule.kind == "fixed":
         grid = tiling.views_grid(detail, w, h, rule, question, max_visual_tokens)
@@ -396,7 +405,14 @@ def plan_media(
             rule.image_size, lim.max_tiles, rule.tokens_per_tile, max_visual_tokens
         )
         grid = tiling.grid_for(detail, w, h, budget, question)
-    return Plan(index, grid, frames, stacked=rule.kind == "native")
+    return Plan(index, grid, frames, rule.kind == "native", interval)
+
+
+def _interval(starts_s: tuple[float, ...], frames: tuple[int, ...]) -> float:
+    """Mean seconds between `frames` (0 for one frame, or frames without timing)."""
+    if len(frames) < 2 or len(starts_s) <= frames[-1]:
+        return 0.0
+    return max(0.0, (starts_s[frames[-1]] - starts_s[frames[0]]) / (len(frames) - 1))
 
 
 def decode_spec(
@@ -438,6 +454,7 @@ def _headers(
             p.grid.cols,
             rule.item_shape(p.grid.rows, p.grid.cols, len(frames)),
             frames[0],
+            p.interval_s,
         )
         for p, frames in items
     )

@@ -221,12 +221,14 @@ def _parsing(container: Any) -> Iterator[None]:
 
 
 def probe(data: bytes, fmt: str, lim: VideoLimits, max_pixels: int, max_side: int) -> decode.Probe:
-    """Header values only; `num_frames` is the number of frames that will be sampled."""
+    """Header values only; `num_frames` is the number of frames that will be sampled, and
+    `starts_s` their sample times."""
     container = _open(data, fmt)
     with _parsing(container):
         stream = _video_stream(container, lim)
         head = _header(container, stream, lim, max_pixels, max_side)
-    return decode.Probe(head.width, head.height, len(sample_times(head.duration_s, lim)))
+    times = sample_times(head.duration_s, lim)
+    return decode.Probe(head.width, head.height, len(times), times)
 
 
 def _frames(

@@ -49,7 +49,12 @@ def _probe(args: dict[str, Any], data: bytes, _: mmap.mmap) -> dict[str, Any]:
         p = decode.probe(
             data, args["fmt"], args["max_pixels"], args["max_side"], args["max_frames"]
         )
-    return {"width": p.width, "height": p.height, "num_frames": p.num_frames}
+    return {
+        "width": p.width,
+        "height": p.height,
+        "num_frames": p.num_frames,
+        "starts_s": list(p.starts_s),
+    }
 
 
 def _decode(args: dict[str, Any], data: bytes, out: mmap.mmap) -> dict[str, Any]:

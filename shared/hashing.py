@@ -30,9 +30,10 @@ class FeatureKey:
     tile_cols: int  # ... and cols
     frame: int = 0  # frame index within an animation or video
     shape: tuple[int, ...] = ()  # the item's tensor shape (a native item's frame count is here)
+    frame_interval_s: float = 0.0  # a video's sampling interval; 0 = a still image
 
     def encode(self) -> bytes:
-        fields = (
+        fields: tuple[str, ...] = (
             self.tenant,
             self.content_hash,
             self.encoder_id,
@@ -43,4 +44,8 @@ class FeatureKey:
             str(self.frame),
             "x".join(map(str, self.shape)),
         )
+        # Another sampling rate picks other frames (and other rope positions for prefix reuse);
+        # a still image's key stays as it was, so stored entries survive this field.
+        if self.frame_interval_s:
+            fields += (repr(self.frame_interval_s),)
         return "\x1f".join(fields).encode()

@@ -73,6 +73,20 @@ def qwen_tokenizer() -> Tokenizer:
     return tok
 
 
+def qwen_video_patches(
+    frames: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]
+) -> torch.Tensor:
+    """transformers' Qwen2-VL video processor's normalisation and flatten order for (T, 3, H, W)
+    uint8 frames, T even, transcribed (it needs torchvision, which is absent here):
+    (batch, t, temporal, c, h/m, m, p, w/m, m, p) permuted."""
+    m, s = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
+    x = (frames.float() / 255 - m) / s
+    t, c, h, w = x.shape
+    x = x.view(1, t // 2, 2, c, h // 28, 2, 14, w // 28, 2, 14)
+    x = x.permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
+    return x.reshape(t // 2 * (h // 14) * (w // 14), c * 2 * 14 * 14)
+
+
 def _qwen_config(transformers: Any, tok: Tokenizer) -> Any:
     return transformers.Qwen2_5_VLConfig(
         text_config={

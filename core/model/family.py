@@ -89,10 +89,15 @@ class VisionLanguageModel(Protocol):
         ...
 
     def prompt_positions(
-        self, ids: list[int], grids: list[tuple[int, int, int]]
+        self,
+        ids: list[int],
+        grids: list[tuple[int, int, int]],
+        seconds: list[float] | None = None,
     ) -> tuple[torch.Tensor | None, int]:
         """The prompt's rope positions (None: 0..n-1) and the delta a generated token's sequence
-        index gets added for its position."""
+        index gets added for its position. `seconds` (per video, seconds per temporal patch) is
+        passed only to a model that serves video: one with a `video_token_id` attribute, the
+        token its prompt repeats per visual token of a video (the others are shown images)."""
         ...
 
     def encoder_digest(self) -> str: ...

@@ -10,7 +10,8 @@ Two layouts are read. The Hub's published one: a flat `config.json` (text keys a
 `ModelConfigError` line naming the file, key and value.
 
 Images and videos share one slot sequence: `embed` fills `<|image_pad|>` and `<|video_pad|>`
-positions, in prompt order, with the rows of the visual items in that order.
+positions, in prompt order, with the rows of the visual items in that order. The engine shows an
+item as a video (`video_token_id`) when it declares the seconds between its frames.
 """
 
 from __future__ import annotations
@@ -301,6 +302,11 @@ class QwenVL(nn.Module):
         axis = [i for i, n in enumerate(self.cfg.mrope_section) for _ in range(n)]
         self.register_buffer("mrope_axis", torch.tensor(axis), persistent=False)
         self.visual.reset_buffers()
+
+    @property
+    def video_token_id(self) -> int:
+        """`<|video_pad|>`: this family serves video (frames in temporal patch pairs)."""
+        return self.cfg.video_token_id
 
     def normalize(self, pixels_u8: torch.Tensor) -> torch.Tensor:
         return pixels_u8.float() * self.pixel_scale + self.pixel_shift

@@ -11,6 +11,10 @@ writes more (Gemma 3: the template says `<start_of_image>`, the processor makes 
 "\n\n<start_of_image>" + the visual tokens + "<end_of_image>\n\n") gives an `ImageLayout`: its
 text replaces each of the template's markers before tokenisation, as the processor does, so the
 newlines merge with the text around them into the same ids; it holds the image token once per view.
+
+A family that serves video (Qwen2.5-VL) names its video token: a turn's items are then each an
+image or a video (`ChatTurn.kinds`), rendered as the template renders `{"type": "video"}`, and a
+video's slot is expanded like an image's.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from tokenizers.decoders import DecodeStream
 from core.model.config import ModelConfigError
 
 IMAGE_TOKEN = "<image>"
+IMAGE, VIDEO = "image", "video"  # what a turn's item is shown as
 
 
 class ImageLayout(Protocol):
@@ -49,12 +54,22 @@ class ImageLayout(Protocol):
 class ChatTurn:
     role: str  # "user", "assistant" or "system"
     text: str  # what was said
-    num_images: int  # images shown in this turn, placed before the text
+    num_images: int  # items shown in this turn (images and videos), placed before the text
+    kinds: tuple[str, ...] = ()  # per item shown, IMAGE or VIDEO; () = every one an image
+
+    @property
+    def items(self) -> tuple[str, ...]:
+        """The kind of each item shown, in order."""
+        return self.kinds or (IMAGE,) * self.num_images
 
 
 class ChatTokenizer:
     def __init__(
-        self, model_dir: Path, image_token_id: int, layout: ImageLayout | None = None
+        self,
+        model_dir: Path,
+        image_token_id: int,
+        layout: ImageLayout | None = None,
+        video_token_id: int | None = None,
     ) -> None:
         self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self._plain = Tokenizer.from_str(self.tok.to_str())  # for text that may come from users
@@ -69,6 +84,7 @@ class ChatTokenizer:
         self.add_bos = bool(cfg.get("add_bos_token", True))
         self.bos_id = self.tok.token_to_id(self.bos_token)
         self.image_token_id = image_token_id
+        self.video_token_id = video_token_id  # None: the model serves no video
         template = _find_template(model_dir, cfg)
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self.template = env.from_string(template)
@@ -94,7 +110,7 @@ class ChatTokenizer:
         messages = [
             {
                 "role": t.role,
-                "content": [{"type": "image"}] * t.num_images + [{"type": "text", "text": t.text}],
+                "content": [{"type": k} for k in t.items] + [{"type": "text", "text": t.text}],
             }
             for t in turns
         ]
@@ -149,15 +165,24 @@ class ChatTokenizer:
             start = found.end()
         text.append(part[start:])
 
+    def slot_id(self, kind: str) -> int:
+        """The token a slot of this kind of item is (KeyError: the model serves no video)."""
+        if kind == VIDEO and self.video_token_id is not None:
+            return self.video_token_id
+        if kind == IMAGE:
+            return self.image_token_id
+        raise KeyError(kind)
+
+    def is_slot(self, token: int) -> bool:
+        """Whether `token` is an image or video slot."""
+        return token == self.image_token_id or token == self.video_token_id
+
     def expand(self, ids: list[int], tokens_per_image: list[int]) -> list[int]:
-        """`ids` with each image slot repeated to its image's number of visual tokens."""
+        """`ids` with each image or video slot repeated to its item's number of visual tokens."""
         out: list[int] = []
         images = iter(tokens_per_image)
         for token in ids:
-            if token == self.image_token_id:
-                out.extend([self.image_token_id] * next(images, 1))
-            else:
-                out.append(token)
+            out.extend([token] * (next(images, 1) if self.is_slot(token) else 1))
         return out
 
     def encode_chat(self, turns: list[ChatTurn], tokens_per_image: list[int]) -> list[int]:

@@ -23,7 +23,7 @@ from core.model.qwen2_5_vl_vision import patchify
 from core.model.tokenizer import ChatTokenizer, ChatTurn
 from tests.family_checkpoints import QWEN_TEMPLATE as TEMPLATE
 from tests.family_checkpoints import QwenCheckpoints as Checkpoints
-from tests.family_checkpoints import build_qwen
+from tests.family_checkpoints import build_qwen, qwen_video_patches
 
 transformers = pytest.importorskip("transformers")
 ATOL = 1e-4  # float32 on both sides
@@ -100,16 +100,6 @@ def _image_case(ck: Checkpoints, sizes: list[tuple[int, int]]) -> Case:
     )
 
 
-def _video_patches(frames: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """transformers' Qwen2-VL video processor's flatten order, transcribed (it needs torchvision,
-    which is absent here): (batch, t, temporal, c, h/m, m, p, w/m, m, p) permuted."""
-    x = (frames.float() / 255 - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1)
-    t, c, h, w = x.shape
-    x = x.view(1, t // 2, 2, c, h // 28, 2, 14, w // 28, 2, 14)
-    x = x.permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
-    return x.reshape(t // 2 * (h // 14) * (w // 14), c * 2 * 14 * 14)
-
-
 def _video_case(ck: Checkpoints) -> Case:
     cfg = qwen2_5_vl.load_config(ck.t5)
     frames = _pixels(7, 4, 56, 84)
@@ -127,7 +117,7 @@ def _video_case(ck: Checkpoints) -> Case:
     for token in prompt:
         ids += [token] * (2 * 2 * 3 if token == cfg.video_token_id else 1)
     pre = cfg.preprocess
-    patches = _video_patches(frames, torch.tensor(pre.image_mean), torch.tensor(pre.image_std))
+    patches = qwen_video_patches(frames, pre.image_mean, pre.image_std)
     grid = torch.tensor([[2, 4, 6]])
     return Case(ids, [frames], {"pixel_values_videos": patches, "video_grid_thw": grid})
 

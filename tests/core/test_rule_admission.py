@@ -64,10 +64,14 @@ def test_native_items_count_tokens_by_the_rule(engine: Engine) -> None:
     assert counts == (600, 6) and slots == (1, 1)
 
 
-def test_native_items_of_several_frames_are_refused(engine: Engine) -> None:
+def test_native_items_of_several_frames_are_refused_without_video(engine: Engine) -> None:
     """An animation or video stacked into one native item is refused before any pixel is sent:
-    served as an image its positions would not be the model's video positions."""
-    message = _refused(_inputs(engine, NATIVE), _item(NATIVE, 20, 30, (4, 3, 560, 840)))
+    without its frame interval (no video positions), or by a model that serves no video (the
+    demo's tokenizer names no video token; tests/core/test_video_items.py admits one)."""
+    inputs = _inputs(engine, NATIVE)
+    frames = _item(NATIVE, 20, 30, (4, 3, 560, 840))
+    assert "frame_interval_s" in _refused(inputs, frames)
+    message = _refused(inputs, dataclasses.replace(frames, frame_interval_s=0.5))
     assert "still images only" in message and "max_sampled_frames" in message
 
 

@@ -236,14 +236,19 @@ def test_a_native_animation_is_one_item_of_whole_temporal_patches(
     worker: Worker, tmp_path: Path
 ) -> None:
     """Five frames keep four (two temporal patches), every frame at the same size, each as the
-    processor resizes that frame; the core is told one item of shape (4, 3, H, W)."""
+    processor resizes that frame; the core is told one item of shape (4, 3, H, W), a video of
+    the mean delay between the kept frames."""
     processor = _processor("qwen2_5_vl")
     rule = _rule(tmp_path, "qwen2_5_vl", processor)
     frames = [_scene(150, 100, seed=20 + i) for i in range(5)]
     data = _encode(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=100)
-    probe = decode.Probe(150, 100, 5)
+    probe = decode.Probe(150, 100, 5, (0.0, 0.1, 0.2, 0.3, 0.4))
     plan = plan_media(0, probe, False, "high", rule, LIMITS)
     assert plan.stacked and plan.frames == (0, 1, 3, 4) and plan.items == (plan.frames,)
+    assert plan.interval_s == pytest.approx(0.4 / 3)
+    # Frames without timing (a multi-picture JPEG): the first alone, a still image.
+    still = plan_media(0, decode.Probe(150, 100, 5), False, "auto", rule, LIMITS)
+    assert still.frames == (0,) and still.interval_s == 0
     shape = rule.item_shape(plan.grid.rows, plan.grid.cols, len(plan.frames))
     assert shape[0] == 4 and rule.visual_tokens(shape) == 2 * shape[2] * shape[3] // 28**2
     spec = decode_spec(sniff(data), plan.grid, plan.frames, rule, (0, 0, 0), LIMITS)
