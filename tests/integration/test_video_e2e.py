@@ -117,7 +117,7 @@ def _gateway_frames(data: bytes, model: Path) -> tuple[torch.Tensor, float]:
         probe = video.probe(data, fmt, vlim, LIMITS.max_pixels, LIMITS.max_side)
     else:
         probe = decode.probe(data, fmt, LIMITS.max_pixels, LIMITS.max_side, LIMITS.max_frames)
-    plan = plan_media(0, probe, fmt in VIDEO, "auto", rule, LIMITS)
+    plan = plan_media(0, probe, fmt in VIDEO, "high", rule, LIMITS)
     spec = decode_spec(fmt, plan.grid, plan.frames, rule, (0, 0, 0), LIMITS)
     done = video.decode_video(data, spec, vlim) if fmt in VIDEO else decode.decode(data, spec)
     frames = torch.from_numpy(np.concatenate(done.items))
