@@ -175,6 +175,20 @@ def compress_item_kept(
     return np.concatenate(out), Kept(features.shape[0], np.concatenate(kept))
 
 
+def compress_by_rule(
+    rule: PreprocessRule,
+    shape: tuple[int, ...],
+    features: np.ndarray,
+    importance: np.ndarray,
+    chosen: Profile,
+    seed: int = 0,
+) -> tuple[np.ndarray, Kept | None]:
+    """`compress_item_kept` on an item of (checked) `shape`, unit by unit as `rule` lays its
+    tokens out: what `item_tokens` counted at admission."""
+    units = layout(rule, shape)
+    return compress_item_kept(features, importance, units.num_units, chosen, seed, units.grid)
+
+
 def apply(
     method: str,
     feats: np.ndarray,

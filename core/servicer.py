@@ -211,18 +211,11 @@ def _note_result(r: Result) -> None:
 def _compress_all(
     req: InferRequest, entries: list[Entry], chosen: compression.Profile, rule: PreprocessRule
 ) -> list[tuple[np.ndarray, compression.Kept | None]]:
-    """Each item compressed unit by unit (its tiles, views or temporal patches) as the rule lays
-    its tokens out, as admission counted it."""
     seed = int.from_bytes(req.request_id.encode()[:8].ljust(8, b"\0"))
-    out = []
-    for e, item in zip(entries, req.items, strict=True):
-        units = compression.layout(rule, item.shape)
-        out.append(
-            compression.compress_item_kept(
-                e.features, e.importance, units.num_units, chosen, seed, units.grid
-            )
-        )
-    return out
+    return [
+        compression.compress_by_rule(rule, item.shape, e.features, e.importance, chosen, seed)
+        for e, item in zip(entries, req.items, strict=True)
+    ]
 
 
 async def _receive_tensors(
