@@ -32,7 +32,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from core.config import CacheConfig
 from shared.hashing import FeatureKey
 
-MAGIC, VERSION = b"VSRF", 1
+# 2: a Qwen entry's importance is the attention its tokens receive (was their feature norm),
+# which its profiles now rank by; older entries read as misses.
+MAGIC, VERSION = b"VSRF", 2
 _HEADER = struct.Struct("<4sHBBddII")  # magic, version, dtype, flags, created, expires, n, hidden
 _META = struct.Struct("<dQ")  # last access, stored bytes
 _COUNT = struct.Struct("<Q")

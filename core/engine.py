@@ -340,7 +340,12 @@ class Engine:
             admitted.grammar,
             tuple(item.grid for item in items),
             tuple((span.start, span.end) for span in spans),
-            tuple(item.kept for item in items),
+            # Per run of image tokens, as the spans are: a view's kept tokens on their own.
+            tuple(
+                k
+                for item, n in zip(items, admitted.slots, strict=True)
+                for k in ((None,) * n if item.kept is None else item.kept.split(n))
+            ),
             tuple(item.seconds for item in items),
         )
         self._inbox.put(lambda: self._add(seq, inputs, sink, admitted))

@@ -5,11 +5,12 @@ It checks the sampling values, stop strings, logprob and format controls, the it
 declared geometry; tokenises the conversation once (one id per image slot; an item that declares
 a frame interval is shown as a video, where the model serves video); counts each item's
 visual tokens from its declared grid with the arithmetic compression itself uses
-(`compression.visual_tokens`), so a request at the limit is admitted and one token over is
-refused before encoding; checks the request's total against the per-request cap (TOKEN_BUDGET);
-takes a place in the scheduler's queue (OVERLOADED past `max_waiting`); and compiles the response
-format on a worker thread. The `Admitted` record serves both the servicer's check before encoding
-and generation, which only expands the image slots to the visual tokens the features brought.
+(`compression.item_tokens`: the rule's count, then the profile's), so a request at the limit is
+admitted and one token over is refused before encoding; checks the request's total against the
+per-request cap (TOKEN_BUDGET); takes a place in the scheduler's queue (OVERLOADED past
+`max_waiting`); and compiles the response format on a worker thread. The `Admitted` record serves
+both the servicer's check before encoding and generation, which only expands the image slots to
+the visual tokens the features brought.
 """
 
 from __future__ import annotations
@@ -167,26 +168,14 @@ class InputProcessor:
     def _declared(
         self, items: tuple[ItemSpec, ...], chosen: compression.Profile
     ) -> tuple[int, ...]:
-        """Each item's visual tokens under the rule; the tiled family's compression profiles
-        prune per tile, so its count is the compressed one (other kinds count every token)."""
+        """Each item's visual tokens under the rule, then the profile (per tile, view or
+        temporal patch: `compression.item_tokens`)."""
         rule = self.info.rule
-        if rule.kind != "tiles" and chosen.steps:
-            # Pruning keeps tokens per tile; a native or fixed model's items are not laid out
-            # in tiles, and Qwen's tower has no attention score to prune by.
-            raise VisorError(
-                Reason.INVALID_REQUEST,
-                f"compression profiles apply to tiled models only; this core's model "
-                f"({rule.kind} preprocessing) serves profile 'none'",
-            )
         counts = []
         for item in items:
             self._check_item(item)
             self._check_video(item)
-            if rule.kind == "tiles":
-                views = item.shape[0]
-                counts.append(compression.visual_tokens(rule.tokens_per_tile, views, chosen))
-            else:
-                counts.append(rule.visual_tokens(item.shape))
+            counts.append(compression.item_tokens(rule, item.shape, chosen))
         return tuple(counts)
 
     def _check_item(self, item: ItemSpec) -> None:

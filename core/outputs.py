@@ -41,8 +41,8 @@ class NewRequestData:
     # the model's rope positions ((1, 1, 1) per item of a tiled encoder)
     spans: tuple[
         tuple[int, int], ...
-    ] = ()  # per item, the [start, end) of its tokens in the prompt
-    kept: tuple[Kept | None, ...] = ()  # per item, which of its uncompressed tokens the features
+    ] = ()  # per run of image tokens (an item, or a Gemma view), its [start, end) in the prompt
+    kept: tuple[Kept | None, ...] = ()  # per span, which of its uncompressed tokens the features
     # kept (their rope positions stay theirs); None = every one, in order
     seconds: tuple[float, ...] = ()  # per item, a video's seconds per temporal patch; 0 = image
 

@@ -21,6 +21,7 @@ from core.types import CachePolicy, Delta, InferRequest, ItemSpec, Result, Sampl
 from shared import logs, tracing
 from shared.errors import Reason, VisorError
 from shared.metrics import observe
+from shared.preprocess import PreprocessRule
 from shared.proto import core_pb2, core_pb2_grpc, response_format, rule_to_proto
 from shared.status import to_status
 from shared.wire import TensorAssembler, TensorSpec
@@ -156,7 +157,8 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
         kept: list[compression.Kept | None] = [None] * len(full)  # every token, uncompressed
         if chosen.steps and full:
             t0 = time.perf_counter()
-            compressed = await self.engine.run(_compress_all, req, full, chosen)
+            rule = self.engine.info.rule
+            compressed = await self.engine.run(_compress_all, req, full, chosen, rule)
             features = [f for f, _ in compressed]
             kept = [k for _, k in compressed]
             timings["compress"] = (time.perf_counter() - t0) * 1000
@@ -210,11 +212,11 @@ def _note_result(r: Result) -> None:
 
 
 def _compress_all(
-    req: InferRequest, entries: list[Entry], chosen: compression.Profile
+    req: InferRequest, entries: list[Entry], chosen: compression.Profile, rule: PreprocessRule
 ) -> list[tuple[np.ndarray, compression.Kept | None]]:
     seed = int.from_bytes(req.request_id.encode()[:8].ljust(8, b"\0"))
     return [
-        compression.compress_item_kept(e.features, e.importance, item.shape[0], chosen, seed)
+        compression.compress_by_rule(rule, item.shape, e.features, e.importance, chosen, seed)
         for e, item in zip(entries, req.items, strict=True)
     ]
 

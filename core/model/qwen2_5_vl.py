@@ -314,6 +314,20 @@ class QwenVL(nn.Module):
     def encode_visual(self, pixels_u8: torch.Tensor) -> tuple[torch.Tensor, Grid]:
         """One image (1, 3, H, W) or video (T, 3, H, W) of uint8, H and W multiples of 28 ->
         (t * h * w, hidden) visual tokens and the grid (t, h, w) in merged units."""
+        feats, _, grid = self._encode(pixels_u8, importance=False)
+        return feats, grid
+
+    def encode_item(self, pixels_u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The engine's encode of one item (`core.encoders.ItemModel`): its visual tokens and
+        their importance for compression, the attention each receives in the tower's last
+        full-attention block (`QwenVisionTransformer.forward_with_importance`)."""
+        feats, scores, _ = self._encode(pixels_u8, importance=True)
+        assert scores is not None
+        return feats, scores
+
+    def _encode(
+        self, pixels_u8: torch.Tensor, importance: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Grid]:
         side = self.cfg.vision.merge_pixels
         if (
             pixels_u8.dim() != 4
@@ -323,15 +337,8 @@ class QwenVL(nn.Module):
         ):
             raise ValueError(f"pixels must be (frames, 3, H, W) with H and W multiples of {side}")
         patches, grid = patchify(self.normalize(pixels_u8), self.cfg.vision)
-        return self.visual(patches, grid), grid
-
-    def encode_item(self, pixels_u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The engine's encode of one item (`core.encoders.ItemModel`): its visual tokens and,
-        as importance, each token's feature norm (the tower has no class token whose attention
-        could rank them; compression profiles are refused for this family, so it is stored,
-        not used)."""
-        feats, _ = self.encode_visual(pixels_u8)
-        return feats, feats.float().norm(dim=-1)
+        feats, scores = self.visual.forward_with_importance(patches, grid, importance)
+        return feats, scores, grid
 
     def prompt_positions(
         self, ids: list[int], grids: list[Grid], seconds: list[float] | None = None

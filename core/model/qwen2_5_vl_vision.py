@@ -4,7 +4,8 @@ The core patchifies (the gateway sends plain resized uint8 images, never patches
 flatten order of transformers' Qwen2-VL processors: per 2x2 merge block, per patch in it,
 channels x temporal pair x 14 x 14. Blocks attend inside windows of `window_size` pixels except
 the `fullatt_block_indexes` ones, which attend over the whole frame; rotary positions are 2-D
-(row, column of each patch).
+(row, column of each patch). Each merged token's importance (for compression) is the attention its
+patches receive in the last full-attention block.
 """
 
 from __future__ import annotations
@@ -113,6 +114,27 @@ def segment_attention(
     return out
 
 
+def received_attention(
+    q: torch.Tensor, k: torch.Tensor, sizes: list[int], max_scores: int = 1 << 24
+) -> torch.Tensor:
+    """(tokens,) float32: the attention each token receives from the queries of its segment,
+    averaged over heads and queries, for (heads, tokens, dim) q and k; queries go in chunks so
+    that at most `max_scores` scores exist at once (a large frame's full matrix would not fit)."""
+    heads, tokens, dim = q.shape
+    out = torch.empty(tokens, dtype=torch.float32, device=q.device)
+    start = 0
+    for size in sizes:
+        keys = k[:, start : start + size].float().transpose(1, 2) * dim**-0.5
+        total = torch.zeros(size, dtype=torch.float32, device=q.device)
+        step = max(1, max_scores // (heads * size))
+        for first in range(start, start + size, step):
+            last = min(first + step, start + size)
+            total += torch.softmax(q[:, first:last].float() @ keys, dim=-1).sum(dim=(0, 1))
+        out[start : start + size] = total / (heads * size)
+        start += size
+    return out
+
+
 def axial_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     """Rows and columns rotate half of the head each (axial 2-D rope)."""
     half = head_dim // 2
@@ -140,10 +162,24 @@ class VisionAttention(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], sizes: list[int]
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).permute(1, 2, 0, 3).unbind(0)
+        q, k, v = self._qkv(x, rope)
+        return self.proj(segment_attention(q, k, v, sizes).transpose(0, 1).reshape(n, -1))
+
+    def received(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], sizes: list[int]
+    ) -> torch.Tensor:
+        """(tokens,) the attention each token of (normed) `x` receives (`received_attention`)."""
+        q, k, _ = self._qkv(x, rope)
+        return received_attention(q, k, sizes)
+
+    def _qkv(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(heads, tokens, dim) q, k (rotated) and v."""
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, -1).permute(1, 2, 0, 3).unbind(0)
         cos, sin = rope
         q, k = _rotate(q.float(), cos, sin).to(x.dtype), _rotate(k.float(), cos, sin).to(x.dtype)
-        return self.proj(segment_attention(q, k, v, sizes).transpose(0, 1).reshape(n, -1))
+        return q, k, v
 
 
 class VisionMLP(nn.Module):
@@ -220,6 +256,14 @@ class QwenVisionTransformer(nn.Module):
 
     def forward(self, patches: torch.Tensor, grid: Grid) -> torch.Tensor:
         """Patches of one image or video (`patchify`) -> (merged tokens, out_hidden_size)."""
+        return self.forward_with_importance(patches, grid, importance=False)[0]
+
+    def forward_with_importance(
+        self, patches: torch.Tensor, grid: Grid, importance: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, and each merged token's importance: the mean attention its patches
+        receive in the last full-attention block (the last block if none is), where every
+        patch of a frame sees every other, as SigLIP's last layer ranks Gemma's tokens."""
         cfg, unit = self.cfg, self.cfg.spatial_merge_size**2
         t, h, w = grid
         order, windows = window_order(grid, cfg.window_size // cfg.merge_pixels)
@@ -230,8 +274,15 @@ class QwenVisionTransformer(nn.Module):
         cos, sin = self.rope(pos.view(-1, unit, 2)[order].flatten(0, 1))
         window_sizes = [s * unit for s in windows]
         frame_sizes = [h * w * unit] * t
+        depth = len(self.blocks)
+        ranked = max((i for i in cfg.fullatt_block_indexes if i < depth), default=depth - 1)
+        scores = None
         for i, block in enumerate(self.blocks):
-            full = i in cfg.fullatt_block_indexes
-            x = block(x, (cos, sin), frame_sizes if full else window_sizes)
-        merged = self.merger(x)
-        return merged[torch.argsort(order)]
+            sizes = frame_sizes if i in cfg.fullatt_block_indexes else window_sizes
+            if importance and i == ranked:
+                assert isinstance(block, VisionBlock)
+                scores = block.attn.received(block.norm1(x), (cos, sin), sizes)
+            x = block(x, (cos, sin), sizes)
+        back = torch.argsort(order)
+        merged = self.merger(x)[back]
+        return merged, None if scores is None else scores.view(-1, unit).mean(dim=1)[back]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from core import compression
 from shared.errors import VisorError
+from shared.preprocess import PreprocessRule
 
 
 def _tile(n: int = 196, hidden: int = 32, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -104,5 +107,66 @@ def test_kept_indices_name_the_original_tokens(name: str) -> None:
     _, pooled = compression.compress_item_kept(
         feats[:49], scores[:49], 1, compression.Profile("p", (compression.Step("pool", 0.25),))
     )
-    assert pooled is not None and pooled.indices.tolist()[:4] == [0, 2, 4, 14]
+    # 7 x 7: four windows a row, the last one column wide (an odd edge is kept, not dropped)
+    assert pooled is not None and pooled.indices.tolist()[:5] == [0, 2, 4, 6, 14]
+    assert len(pooled.indices) == 16
     assert compression.compress_item_kept(feats, scores, 2, compression.profile("none"))[1] is None
+
+
+NATIVE = PreprocessRule(
+    "native", (0.5,) * 3, (0.5,) * 3, "bicubic", patch_size=14, merge_size=2,
+    temporal_patch_size=2, min_pixels=784, max_pixels=1003520,
+)  # fmt: skip
+FIXED = PreprocessRule(
+    "fixed", (0.5,) * 3, (0.5,) * 3, "bilinear", image_size=896, tokens_per_image=256,
+    pan_and_scan=True, min_crop_size=256, max_num_crops=4, min_ratio_to_activate=1.2,
+)  # fmt: skip
+POOL = compression.Profile("pool", (compression.Step("pool", 0.25),))
+
+
+def test_units_per_rule() -> None:
+    """Qwen's unit is a temporal patch's (h, w) grid of merged tokens, Gemma's a view's 16 x 16,
+    the tiled family's a tile's square (none with a class token)."""
+    assert compression.layout(NATIVE, (1, 3, 140, 84)) == compression.Layout(1, (5, 3))
+    assert compression.layout(FIXED, (4, 3, 896, 896)) == compression.Layout(4, (16, 16))
+    tiled = dataclasses.replace(FIXED, kind="tiles", tokens_per_tile=577, pan_and_scan=False)
+    assert compression.layout(tiled, (5, 3, 896, 896)) == compression.Layout(5, None)
+
+
+def test_pool_follows_a_wide_grid_and_keeps_its_odd_edges() -> None:
+    """A 3 x 5 grid pools to 2 x 3 windows: the last row and column are windows of their own,
+    each the mean of its tokens, named by its top-left token."""
+    feats, scores = _tile(15, 4)
+    out, kept = compression.compress_item_kept(feats, scores, 1, POOL, grid=(3, 5))
+    assert kept is not None and kept.indices.tolist() == [0, 2, 4, 10, 12, 14]
+    grid = feats.reshape(3, 5, 4)
+    assert np.allclose(out[1], grid[:2, 2:4].mean(axis=(0, 1)))
+    assert np.allclose(out[2], grid[:2, 4].mean(axis=0))
+    assert np.allclose(out[5], grid[2, 4])
+    # Read as a square it would not be one: without the grid nothing is pooled.
+    assert compression.compress_item(feats, scores, 1, POOL).shape == (15, 4)
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 28, 28), (1, 3, 140, 84), (1, 3, 28, 392)])
+def test_item_tokens_count_what_native_compression_produces(shape: tuple[int, ...]) -> None:
+    tokens = NATIVE.visual_tokens(shape)
+    feats, scores = _tile(tokens, 8)
+    for chosen in (*compression.PROFILES.values(), POOL):
+        out, _ = compression.compress_by_rule(NATIVE, shape, feats, scores, chosen, seed=2)
+        assert compression.item_tokens(NATIVE, shape, chosen) == out.shape[0], chosen.name
+
+
+def test_kept_splits_into_views() -> None:
+    """An item's kept tokens as one `Kept` per view, indexed from the view's start (the runner
+    gets one per run of image tokens)."""
+    feats, scores = _tile(3 * 256, 8)
+    _, kept = compression.compress_by_rule(
+        FIXED, (3, 3, 896, 896), feats, scores, compression.profile("balanced")
+    )
+    assert kept is not None
+    views = kept.split(3)
+    assert [(v.num_tokens, len(v.indices)) for v in views] == [(256, 128)] * 3
+    assert np.array_equal(
+        np.concatenate([v.indices + 256 * i for i, v in enumerate(views)]), kept.indices
+    )
+    assert kept.split(1) == (kept,)

@@ -1,6 +1,7 @@
 """Admission under the native and fixed rules (the demo's tokenizer, a core that declares Qwen's
 or Gemma's rule): a declared item must have the shape its grid implies under the rule and within
-the rule's bounds, and counts the visual tokens the rule says, before any tensor arrives."""
+the rule's bounds, and counts the visual tokens the rule says, then what the compression profile
+keeps of them, before any tensor arrives."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from core import compression
 from core.config import SchedulerConfig
 from core.engine import Engine
 from core.input_processor import InputProcessor
@@ -35,9 +38,9 @@ def engine(model_dir: Path) -> Iterator[Engine]:
     e.close()
 
 
-def _inputs(engine: Engine, rule: PreprocessRule) -> InputProcessor:
+def _inputs(engine: Engine, rule: PreprocessRule, max_tokens: int = 100_000) -> InputProcessor:
     info = dataclasses.replace(engine.info, rule=rule)
-    return InputProcessor(engine.tokenizer, info, SchedulerConfig(), 100_000, engine.grammars)
+    return InputProcessor(engine.tokenizer, info, SchedulerConfig(), max_tokens, engine.grammars)
 
 
 def _item(rule: PreprocessRule, rows: int, cols: int, shape: tuple[int, ...]) -> ItemSpec:
@@ -75,18 +78,37 @@ def test_native_items_of_several_frames_are_refused_without_video(engine: Engine
     assert "still images only" in message and "max_sampled_frames" in message
 
 
-def test_compression_profiles_are_refused_for_native_and_fixed_rules(engine: Engine) -> None:
+@pytest.mark.parametrize("profile", list(compression.PROFILES))
+def test_profiles_count_the_tokens_compression_leaves_native_and_fixed(
+    engine: Engine, profile: str
+) -> None:
+    """Under a profile a Qwen image counts the tokens its (h, w) grid keeps and a Gemma image
+    each view's share, the number compression really leaves; a request whose total is exactly
+    the cap is admitted, one token more is refused (TOKEN_BUDGET) before any pixel arrives."""
+    chosen = compression.profile(profile)
     items = {
-        NATIVE: _item(NATIVE, 2, 3, (1, 3, 56, 84)),
-        FIXED: _item(FIXED, 1, 1, (1, 3, 896, 896)),
+        NATIVE: _item(NATIVE, 20, 30, (1, 3, 560, 840)),  # 600 tokens, one (20, 30) grid
+        FIXED: _item(FIXED, 1, 3, (4, 3, 896, 896)),  # four views of 16 x 16
     }
+    balanced = {NATIVE: 300, FIXED: 4 * 128}
+    rng = np.random.default_rng(0)
     for rule, item in items.items():
-        inputs = _inputs(engine, rule)
-        assert inputs.check(_req(item))[1]  # profile "none" is served
+        req = dataclasses.replace(_req(item), profile=profile)
+        ids, (count,), slots = _inputs(engine, rule).check(req)
+        full = rule.visual_tokens(item.shape)
+        units = compression.layout(rule, item.shape)
+        feats = rng.standard_normal((full, 8)).astype(np.float32)
+        out = compression.compress_item(
+            feats, rng.random(full), units.num_units, chosen, 1, units.grid
+        )
+        assert count == out.shape[0] and (count < full) == bool(chosen.steps)
+        if profile == "balanced":
+            assert count == balanced[rule]
+        total = len(ids) - sum(slots) + count + req.params.max_new_tokens
+        assert _inputs(engine, rule, total).check(req)[1] == (count,)
         with pytest.raises(VisorError) as err:
-            inputs.check(dataclasses.replace(_req(item), profile="balanced"))
-        assert err.value.reason == Reason.INVALID_REQUEST
-        assert "tiled models only" in err.value.message
+            _inputs(engine, rule, total - 1).check(req)
+        assert err.value.reason == Reason.TOKEN_BUDGET
 
 
 def test_native_shapes_that_break_the_rule_are_refused(engine: Engine) -> None:

@@ -3,8 +3,8 @@ transformers' own classes, tests/family_checkpoints.py) behind a real core and a
 real PNG / JPEG files go through the gateway's sandboxed workers (resized per the core's rule)
 and the answer is compared with transformers' greedy generation on its own processor's pixels
 for the same file: the same 8 tokens (text), and the logprob of each within 1e-3 (the logits
-path). Also: both families share one feature cache without colliding, a repeat is a hit, and
-compression profiles are refused for them.
+path). Also: both families share one feature cache without colliding, a repeat is a hit, and a
+compression profile serves from the features an uncompressed request cached.
 
 Sizes keep it quick: Qwen's processor is capped at 16 merged tokens per image, Gemma's views are
 224 px with 16 tokens each (pan and scan on, so a wide image is the whole image plus crops, each
@@ -28,7 +28,7 @@ from PIL import Image, ImageDraw
 from shared.proto import gateway_pb2, gateway_pb2_grpc
 from tests.conftest import Stack, start_stack, stop_stack
 from tests.family_checkpoints import build_gemma, build_qwen, gemma_hub_copy
-from tests.helpers import DEV_KEY, _reason
+from tests.helpers import DEV_KEY
 
 transformers = pytest.importorskip("transformers")
 NEW_TOKENS = 8
@@ -87,14 +87,6 @@ def _ask(stack: Stack, media: list[bytes], profile: str = "") -> Answer:
                 final = event.final
     assert final is not None
     return Answer(final.text, logprobs, final)
-
-
-def _refusal(stack: Stack, media: list[bytes], profile: str) -> tuple[grpc.StatusCode, str]:
-    try:
-        _ask(stack, media, profile)
-    except grpc.RpcError as exc:
-        return exc.code(), _reason(exc)
-    return grpc.StatusCode.OK, ""
 
 
 @dataclass
@@ -254,11 +246,21 @@ def test_the_same_image_under_two_families_never_collides(qwen: Family, gemma: F
 
 
 @pytest.mark.parametrize("family", ["qwen", "gemma"])
-def test_compression_profiles_are_refused(request: pytest.FixtureRequest, family: str) -> None:
+def test_balanced_profile_serves_from_the_same_cached_features(
+    request: pytest.FixtureRequest, family: str
+) -> None:
+    """`balanced` keeps half of each unit's tokens (Qwen: of the image's 2 x 7; Gemma: of each of
+    the wide image's 4 views), from the features the uncompressed request cached."""
     served: Family = request.getfixturevalue(family)
-    code, reason = _refusal(served.stack, [SQUARE], "balanced")
-    assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST")
-    assert _ask(served.stack, [SQUARE], "none").final.usage.output_tokens == NEW_TOKENS
+    media = [_picture(400, 130, 4, "PNG")]  # Gemma: the whole image and three crops
+    whole = _ask(served.stack, media, "none").final
+    half = _ask(served.stack, media, "balanced").final
+    assert half.cache[0].hit and "compress" in half.timings_ms and "encode" not in half.timings_ms
+    assert half.usage.visual_tokens_before == whole.usage.visual_tokens_after
+    assert half.usage.visual_tokens_before == {"qwen": 2 * 7, "gemma": 4 * 16}[family]
+    assert half.usage.visual_tokens_after * 2 == half.usage.visual_tokens_before
+    assert half.usage.text_tokens == whole.usage.text_tokens
+    assert half.usage.output_tokens == NEW_TOKENS
 
 
 def test_hub_layout_serves_the_same_answer(
