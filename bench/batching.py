@@ -218,9 +218,10 @@ def generate_batch_rate(
     return round(tokens / wall, 3), round(tokens / cpu, 3)
 
 
-def peer(model: Path, name: str, dtype: str = "auto") -> dict[str, Any]:
+def peer(model: Path, name: str, dtype: str = "auto", compile: bool = False) -> dict[str, Any]:
     """`--peer llama.cpp`: visor's engine against llama-server on the same decoder (see
-    bench/llamacpp.py), alternating, in one run."""
+    bench/llamacpp.py), alternating, in one run. Visor runs its fastest mode, as a peer is
+    measured at its best: `batch_invariant` off, with `[core] compile` when asked."""
     from bench import llamacpp
 
     if name != "llama.cpp":
@@ -232,13 +233,23 @@ def peer(model: Path, name: str, dtype: str = "auto") -> dict[str, Any]:
         for old in engines:  # one engine at a time: torch's thread count is per process
             old.close()
         sc = _config("token-budget", latency=False)
-        engines.append(Engine(model, "bench", threads, scheduler=sc, dtype=dtype))
+        engine = Engine(
+            model,
+            "bench",
+            threads,
+            scheduler=sc,
+            dtype=dtype,
+            batch_invariant=False,
+            compile=compile,
+        )
+        engines.append(engine)
         return lambda prompts, new, concurrency: asyncio.run(
             _ours_rate(engines[-1], prompts, new, concurrency)
         )
 
     try:
-        return {"dtype": dtype, **llamacpp.compare(model, ours)}
+        mode = {"dtype": dtype, "batch_invariant": False, "compile": compile}
+        return {**mode, **llamacpp.compare(model, ours)}
     finally:
         for engine in engines:
             engine.close()
@@ -311,6 +322,7 @@ def main(
     quiet: bool = False,
     peer_name: str | None = None,
     dtype: str = "auto",
+    compile: bool = False,
 ) -> int:
     if peer_name is not None:  # the peer comparison alone: the policy replays take minutes more
         print(
@@ -318,7 +330,7 @@ def main(
                 {
                     "bench": "batching",
                     "model": model.resolve().name,
-                    "peer": {"name": peer_name, **peer(model, peer_name, dtype)},
+                    "peer": {"name": peer_name, **peer(model, peer_name, dtype, compile)},
                 }
             )
         )

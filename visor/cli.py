@@ -255,6 +255,7 @@ def _bench_batching(args: argparse.Namespace) -> int:
         quiet=args.json,
         peer_name=args.peer,
         dtype=args.dtype,
+        compile=args.compile,
     )
 
 
@@ -306,6 +307,11 @@ def _add_scheduler_benches(bs: Any) -> None:
                 ".visor/llama.cpp; 8 prompts x 64 tokens, batch 1 and 8, 1 and 2 threads)",
             )
             p.add_argument("--dtype", default="auto", help="[core] dtype of visor's side of --peer")
+            p.add_argument(
+                "--compile",
+                action="store_true",
+                help="[core] compile on visor's side of --peer (it runs with batch_invariant off)",
+            )
         p.set_defaults(fn=fn)
 
 

@@ -107,6 +107,10 @@ def test_peer_argument_parsing() -> None:
     args = cli.parser().parse_args(["bench", "batching", "--peer", "llama.cpp", "--threads", "2"])
     assert args.peer == "llama.cpp" and args.threads == 2
     assert cli.parser().parse_args(["bench", "batching"]).peer is None
+    assert not args.compile
+    assert (
+        cli.parser().parse_args(["bench", "batching", "--peer", "llama.cpp", "--compile"]).compile
+    )
     with pytest.raises(SystemExit):
         cli.parser().parse_args(["bench", "batching", "--peer", "vllm"])
 
