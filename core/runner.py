@@ -15,6 +15,7 @@ end every request of the step."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import llguidance
@@ -114,9 +115,11 @@ class ModelRunner:
         rows = [self._sample_row(self._requests[seq_id]) for seq_id in ready]
         token_ids = [i for c in chunks for i in self._new_token_ids(c)]
         gather, pieces = self._deepstack_rows(chunks)
-        parts = [token_ids, *Sampler.inputs(rows)]
+        parts: list[Sequence[float]] = [token_ids, *Sampler.inputs(rows)]
+        if pieces:
+            parts.append(gather)
         # The step's one host-to-device copy of the runner's inputs.
-        ids, *controls = upload(parts + ([gather] if pieces else []), self.device)
+        ids, *controls = upload(parts, self.device)
         extras = self._deepstack(pieces, controls.pop().long()) if pieces else []
         raw = self._forward(chunks, ids.long(), extras)
         states = [self._requests[seq_id] for seq_id in ready]

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from core.model import qwen3_vl
 from core.model.config import ModelConfigError
+from core.model.family import DeepstackModel, load_model
 from core.model.qwen2_5_vl_vision import patchify
 from core.model.tokenizer import ChatTokenizer, ChatTurn
 from tests.core.test_qwen_vl import DenseAttention, _linear, _pixels
@@ -377,3 +378,28 @@ def test_a_prefill_runs_on_cuda_in_bf16(ckpt: Qwen3Checkpoints) -> None:
     shapes = [list(p.shape) for p in case.pixels]
     out = run_in_child("tests.core.test_qwen3_vl.fake_cuda_prefill", str(ckpt.t5), case.ids, shapes)
     assert "fake cuda prefill ok" in out
+
+
+def test_the_registry_serves_it_with_its_deepstack_rows(ckpt: Qwen3Checkpoints) -> None:
+    """`load_model` picks Qwen3-VL by model_type; `encode_item` keeps the deepstack columns
+    (the cache stores them) and ranks tokens by their first `hidden` columns; `deepstack_rows`
+    maps each visual token, in order, to its row of those columns, and text tokens to -1."""
+    model = load_model(ckpt.t5)
+    assert isinstance(model, qwen3_vl.Qwen3VL) and isinstance(model, DeepstackModel)
+    case = _case(ckpt, CASES["one_image"])
+    hidden, image = model.cfg.text.hidden_size, model.cfg.image_token_id
+    with torch.no_grad():
+        feats, importance = model.encode_item(case.pixels[0])
+        expected, _ = model.encode_visual(case.pixels[0])
+    assert torch.equal(feats, expected) and feats.shape == (35, 3 * hidden)
+    assert torch.equal(importance, feats[:, :hidden].norm(dim=-1))
+    found = model.deepstack_rows(case.ids, feats)
+    assert found is not None
+    rows, table = found
+    visual = [i for i, t in enumerate(case.ids) if t == image]
+    assert rows[visual].tolist() == list(range(35))
+    assert (rows[[i for i, t in enumerate(case.ids) if t != image]] == -1).all()
+    assert torch.equal(table, feats[:, hidden:])
+    assert model.deepstack_rows([1, 2, 3], None) is None
+    with pytest.raises(ValueError, match="35 visual tokens but 34 feature rows"):
+        model.deepstack_rows(case.ids, feats[:34])
