@@ -171,9 +171,12 @@ class ModelRunner:
         whose prompt part holds visual tokens, the run of its table they cover (a chunk may
         start or end inside an image: chunked prefill, a prefix hit). ([], []) when no new
         token of the step is visual, as in every decode step."""
+        pairs = [(c, self._requests[c.seq_id]) for c in chunks]
+        if all(s.deepstack is None or c.start >= s.num_prompt_tokens for c, s in pairs):
+            return [], []  # decodes only, or a family without deepstack: nothing to build
         parts, pieces, offset = [], [], 1
-        for c in chunks:
-            state, part = self._requests[c.seq_id], torch.zeros(c.num_tokens, dtype=torch.long)
+        for c, state in pairs:
+            part = torch.zeros(c.num_tokens, dtype=torch.long)
             stop = min(c.start + c.num_tokens, state.num_prompt_tokens)
             if state.deepstack is not None and c.start < stop:
                 rows, table = state.deepstack
