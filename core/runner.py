@@ -15,6 +15,7 @@ end every request of the step."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import llguidance
@@ -26,7 +27,7 @@ from core.cuda_graphs import DecodeGraphs, PaddedDecode
 from core.device import upload
 from core.generate import SampledRow, Sampler, SampleRow, check_params, noise_key
 from core.model import paged
-from core.model.family import VisionLanguageModel
+from core.model.family import DeepstackModel, VisionLanguageModel
 from core.outputs import NewRequestData, RunnerOutput, ScheduledChunk, SchedulerOutput
 from core.sequence import SampleLogprobs
 from core.structured import MaskedRow, TokenMasks
@@ -46,6 +47,8 @@ class _RequestState:
     # its indices
     delta: int  # a generated token's rope position minus its index
     spans: tuple[tuple[int, int], ...]  # images its model sees both ways; () when causal
+    deepstack: tuple[torch.Tensor, torch.Tensor] | None  # each prompt token's row (host, -1 =
+    # none) in a device table of the inputs the first layers add (`DeepstackModel`); None = none
     params: SamplingParams  # generation controls
     seed: int  # keys its sampling noise (with the number of tokens it has generated)
     matcher: llguidance.LLMatcher | None  # where it is in its grammar; None = free text
@@ -121,9 +124,14 @@ class ModelRunner:
         ready = [c.seq_id for c in chunks if c.sample]
         rows = [self._sample_row(self._requests[seq_id]) for seq_id in ready]
         token_ids = [i for c in chunks for i in self._new_token_ids(c)]
+        gather, pieces = self._deepstack_rows(chunks)
+        parts: list[Sequence[float]] = [token_ids, *Sampler.inputs(rows)]
+        if pieces:
+            parts.append(gather)
         # The step's one host-to-device copy of the runner's inputs.
-        ids, *controls = upload([token_ids, *Sampler.inputs(rows)], self.device)
-        raw = self._forward(chunks, ids.long())
+        ids, *controls = upload(parts, self.device)
+        extras = self._deepstack(pieces, controls.pop().long()) if pieces else []
+        raw = self._forward(chunks, ids.long(), extras)
         states = [self._requests[seq_id] for seq_id in ready]
         masked = [MaskedRow(s.matcher, row) for row, s in enumerate(states) if s.matcher]
         sampled = self.sampler.sample(raw, self.masks.apply(raw, masked), rows, controls)
@@ -134,6 +142,12 @@ class ModelRunner:
         image = torch.from_numpy(np.concatenate(new.features)) if new.features else None
         ids = list(new.prompt_token_ids)
         positions, delta = prompt_positions(self.model, new)
+        deepstack = None
+        if isinstance(self.model, DeepstackModel):
+            found = self.model.deepstack_rows(ids, image)
+            if found is not None:
+                dtype = self.model.lm_head.weight.dtype
+                deepstack = found[0], found[1].to(self.device, dtype).contiguous()
         return _RequestState(
             prompt_embeds=self.model.embed(ids, image),
             token_ids=ids,
@@ -141,6 +155,7 @@ class ModelRunner:
             positions=positions,
             delta=delta,
             spans=new.spans if self.model.bidirectional_images else (),
+            deepstack=deepstack,
             params=new.params,
             seed=new.seed,
             matcher=None if new.grammar is None else new.grammar.matcher(),
@@ -160,10 +175,46 @@ class ModelRunner:
         state = self._requests[c.seq_id]
         return state.token_ids[max(c.start, state.num_prompt_tokens) : c.start + c.num_tokens]
 
-    def _forward(self, chunks: list[ScheduledChunk], ids: torch.Tensor) -> torch.Tensor:
+    def _deepstack_rows(self, chunks: list[ScheduledChunk]) -> tuple[list[int], list[torch.Tensor]]:
+        """Where each of the step's new tokens (in chunk order) finds its deepstack inputs: a
+        row of a zero row followed by `pieces` (0: the zero row), and the pieces: per chunk
+        whose prompt part holds visual tokens, the run of its table they cover (a chunk may
+        start or end inside an image: chunked prefill, a prefix hit). ([], []) when no new
+        token of the step is visual, as in every decode step."""
+        pairs = [(c, self._requests[c.seq_id]) for c in chunks]
+        if all(s.deepstack is None or c.start >= s.num_prompt_tokens for c, s in pairs):
+            return [], []  # decodes only, or a family without deepstack: nothing to build
+        parts, pieces, offset = [], [], 1
+        for c, state in pairs:
+            part = torch.zeros(c.num_tokens, dtype=torch.long)
+            stop = min(c.start + c.num_tokens, state.num_prompt_tokens)
+            if state.deepstack is not None and c.start < stop:
+                rows, table = state.deepstack
+                local = rows[c.start : stop]
+                seen = local[local >= 0]
+                if seen.numel():
+                    first, num = int(seen[0]), int(seen[-1]) - int(seen[0]) + 1
+                    pieces.append(table.narrow(0, first, num))
+                    part[: stop - c.start] = torch.where(local >= 0, local - first + offset, 0)
+                    offset += num
+            parts.append(part)
+        return (torch.cat(parts).tolist(), pieces) if pieces else ([], [])
+
+    def _deepstack(self, pieces: list[torch.Tensor], gather: torch.Tensor) -> list[torch.Tensor]:
+        """Per deepstack layer, the (tokens, hidden) rows the step's tokens add to its output:
+        their visual tokens' inputs, zero elsewhere (`gather`: `_deepstack_rows`' rows, on the
+        device)."""
+        hidden = self.model.cfg.text.hidden_size
+        table = torch.cat([pieces[0].new_zeros(1, pieces[0].shape[1]), *pieces])
+        rows = table.index_select(0, gather)
+        return [rows.narrow(1, k * hidden, hidden) for k in range(table.shape[1] // hidden)]
+
+    def _forward(
+        self, chunks: list[ScheduledChunk], ids: torch.Tensor, extras: list[torch.Tensor]
+    ) -> torch.Tensor:
         """The step's one call into the model: float32 logits of each sampling chunk's last
         token, in chunk order. `ids` are every chunk's sampled-token ids, in chunk order, on the
-        device: embedded in one call."""
+        device: embedded in one call; `extras`: per deepstack layer its rows (`_deepstack`)."""
         tokens = self.model.language_model.embed_tokens(ids)
         seq_chunks, embeds, used = [], [], 0
         for c in chunks:
@@ -182,9 +233,11 @@ class ModelRunner:
                 embeds.append(tokens.narrow(0, used, num))
                 used += num
         x = torch.cat(embeds)
-        if self.graphs is not None and (logits := self.graphs.run(x, seq_chunks)) is not None:
+        # The padded decode path takes no deepstack rows (a decode step has none).
+        graphs = None if extras else self.graphs
+        if graphs is not None and (logits := graphs.run(x, seq_chunks)) is not None:
             return logits
-        return paged.forward(self.model, x, seq_chunks, self.kv, self.batch_invariant)
+        return paged.forward(self.model, x, seq_chunks, self.kv, self.batch_invariant, extras)
 
     def _advance(
         self, ready: list[int], sampled: list[SampledRow], errors: dict[int, Reason]

@@ -5,6 +5,7 @@ template written here in the family's prompt layout. Shared by the family tests
 (tests/integration/test_families_e2e.py); transformers is a test dependency only.
 
 - `build_qwen(root)`: Qwen2.5-VL in transformers 5's layout (`t5`) and the Hub's (`hub`).
+- `build_qwen3(root)`: Qwen3-VL in both layouts, the same way.
 - `build_gemma(out)`: Gemma 3 as transformers 5 saves it; `gemma_hub_copy` rewrites it in the
   Hub's layout.
 """
@@ -199,6 +200,130 @@ def build_qwen(root: Path, **processor: Any) -> QwenCheckpoints:
     (t5 / "processor_config.json").write_text(json.dumps({"image_processor": settings}))
     _qwen_write_tokenizer(transformers, tok, t5, template_in_config=False)
     return QwenCheckpoints(hf, hub, t5, image_processor)
+
+
+# ---- Qwen3-VL ---------------------------------------------------------------------------------
+
+# Qwen3-VL's prompt layout: no default system turn, each image or video between vision marks
+# (its processor then splits a video into timestamped frame pairs).
+QWEN3_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' %}"
+    "<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}"
+    "{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _qwen3_config(transformers: Any, tok: Tokenizer) -> Any:
+    """3 decoder layers (head_dim 32, not hidden / heads), a 3-block tower of 16 px patches with
+    a 4 x 4 position table (resized to every grid) and deepstack after blocks 0 and 1."""
+    return transformers.Qwen3VLConfig(
+        text_config={
+            "vocab_size": 320,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [6, 5, 5],
+                "mrope_interleaved": True,
+            },
+            "eos_token_id": tok.token_to_id("<|im_end|>"),
+        },
+        vision_config={
+            "depth": 3,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "patch_size": 16,
+            "num_position_embeddings": 16,
+            "deepstack_visual_indexes": [0, 1],
+        },
+        image_token_id=tok.token_to_id("<|image_pad|>"),
+        video_token_id=tok.token_to_id("<|video_pad|>"),
+        vision_start_token_id=tok.token_to_id("<|vision_start|>"),
+        vision_end_token_id=tok.token_to_id("<|vision_end|>"),
+        tie_word_embeddings=True,
+    )
+
+
+def _qwen3_write_tokenizer(transformers: Any, tok: Tokenizer, path: Path, hub: bool) -> None:
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = QWEN3_TEMPLATE
+    fast.save_pretrained(path)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    if hub:  # the Hub's Qwen3-VL repositories: chat_template.json
+        (path / "chat_template.jinja").unlink(missing_ok=True)
+        (path / "chat_template.json").write_text(json.dumps({"chat_template": QWEN3_TEMPLATE}))
+
+
+def _qwen3_hub_config(nested: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5's config.json as the Hub's (transformers 4.57) spells it: `rope_scaling`
+    and `rope_theta` in text_config, the vision rope's theta implied, lm_head stored."""
+    out = dict(nested)
+    text = dict(out["text_config"])
+    rope = dict(text.pop("rope_parameters"))
+    text["rope_theta"] = rope.pop("rope_theta")
+    text["rope_scaling"] = rope
+    out["text_config"] = text
+    vision = dict(out["vision_config"])
+    vision.pop("rope_parameters")
+    out["vision_config"] = vision
+    out["tie_word_embeddings"] = False
+    return out
+
+
+@dataclass
+class Qwen3Checkpoints:
+    hf: Any  # Qwen3VLForConditionalGeneration, float32, eval
+    hub: Path  # the Hub's layout
+    t5: Path  # transformers 5's layout
+    image_processor: Any  # Qwen2VLImageProcessorPil at patch 16 (Qwen3-VL has no class of its own)
+
+
+def build_qwen3(root: Path, **processor: Any) -> Qwen3Checkpoints:
+    """Both layouts under `root`; `processor`: extra Qwen2VLImageProcessorPil settings (e.g. a
+    small `size`, so that served images stay a few tokens)."""
+    import transformers
+
+    tok = qwen_tokenizer()
+    torch.manual_seed(0)
+    hf = transformers.Qwen3VLForConditionalGeneration(_qwen3_config(transformers, tok)).eval()
+    with torch.no_grad():  # wider than the 0.02 init, so that greedy tokens vary
+        for name, p in hf.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15 if "embed" not in name else 0.3)
+    hub, t5 = root / "hub", root / "t5"
+    hf.save_pretrained(t5)
+    shutil.copytree(t5, hub)
+    image_processor = transformers.Qwen2VLImageProcessorPil(
+        patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3, **processor
+    )
+    # transformers 5: nested processor_config.json, chat_template.jinja, tied head stored
+    # nowhere, end tokens in generation_config.json.
+    settings = {"image_processor": image_processor.to_dict()}
+    (t5 / "processor_config.json").write_text(json.dumps(settings, default=str))
+    _qwen3_write_tokenizer(transformers, tok, t5, hub=False)
+    # Hub: rope_scaling, preprocessor_config.json, chat_template.json, lm_head stored.
+    nested = json.loads((hub / "config.json").read_text())
+    (hub / "config.json").write_text(json.dumps(_qwen3_hub_config(nested)))
+    image_processor.save_pretrained(hub)
+    state = load_file(hub / "model.safetensors")
+    state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"].clone()
+    save_file(state, hub / "model.safetensors", metadata={"format": "pt"})
+    _qwen3_write_tokenizer(transformers, tok, hub, hub=True)
+    return Qwen3Checkpoints(hf, hub, t5, image_processor)
 
 
 # ---- Gemma 3 ----------------------------------------------------------------------------------

@@ -11,12 +11,12 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
 
-from core.model import gemma3, llava, qwen2_5_vl
+from core.model import gemma3, llava, qwen2_5_vl, qwen3_vl
 from core.model.config import ModelConfigError, TextConfig
 
 # The paged engine's linear (batch-invariant aware) and attention, as a layer receives them.
@@ -103,6 +103,20 @@ class VisionLanguageModel(Protocol):
     def encoder_digest(self) -> str: ...
 
 
+@runtime_checkable
+class DeepstackModel(Protocol):
+    """A model whose first decoder layers each add a visual input to their output at the visual
+    tokens (Qwen3-VL's deepstack): the engine hands layer k the rows of its step as `extra`."""
+
+    def deepstack_rows(
+        self, token_ids: list[int] | torch.Tensor, image_features: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each prompt token's row (host, long, -1 = none) in a (visual tokens, layers * hidden)
+        table on the model's device, layer k's input in columns [k * hidden, (k + 1) * hidden);
+        None when the prompt has none."""
+        ...
+
+
 def paged_layers(model: VisionLanguageModel) -> list[PagedLayer]:
     """The decoder's layers, as the paged engine runs them."""
     return [cast(PagedLayer, layer) for layer in model.language_model.layers]
@@ -113,7 +127,7 @@ def sliding_windows(model: VisionLanguageModel) -> set[int | None]:
     return {layer.sliding_window for layer in paged_layers(model)}
 
 
-FAMILIES: tuple[ModuleType, ...] = (llava, qwen2_5_vl, gemma3)
+FAMILIES: tuple[ModuleType, ...] = (llava, qwen2_5_vl, qwen3_vl, gemma3)
 REGISTRY: dict[str, ModuleType] = {t: family for family in FAMILIES for t in family.MODEL_TYPES}
 
 

@@ -141,13 +141,20 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(h, eps)
 
     def forward_paged(
-        self, x: torch.Tensor, rope: GemmaRope, attend: Attend, linear: Linear
+        self,
+        x: torch.Tensor,
+        rope: GemmaRope,
+        attend: Attend,
+        linear: Linear,
+        extra: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`core.model.family.PagedLayer`'s hook (`extra`: None, or rows added to the output)."""
         cos_sin = rope.local if self.sliding_window is not None else rope.full
         attn = self.self_attn.forward_paged(self.input_layernorm(x), cos_sin, attend, linear)
         x = x + self.post_attention_layernorm(attn)
         mlp = self.mlp.forward_paged(self.pre_feedforward_layernorm(x), linear)
-        return x + self.post_feedforward_layernorm(mlp)
+        x = x + self.post_feedforward_layernorm(mlp)
+        return x if extra is None else x + extra.to(x.dtype)
 
 
 class Decoder(nn.Module):

@@ -35,7 +35,7 @@ scheduler keeps prefill chunks on `TILE` boundaries for this.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -494,11 +494,13 @@ def forward_step(
     meta: StepMetadata,
     kv: PagedKV,
     batch_invariant: bool,
+    extras: Sequence[torch.Tensor | None] = (),
 ) -> torch.Tensor:
     """Runs the step's new tokens ((tokens, hidden) embeddings, in chunk order) through every
     layer's `forward_paged`; returns the float32 logits of the tokens `meta.logits_indices`
-    names."""
-    return step_logits(model, embeds, meta, kv, batch_invariant)
+    names. `extras`: per layer from the first, None or the (tokens, hidden) rows it adds to its
+    output (Qwen3-VL's deepstack inputs); layers past its end get None."""
+    return step_logits(model, embeds, meta, kv, batch_invariant, extras)
 
 
 def step_logits(
@@ -507,6 +509,7 @@ def step_logits(
     meta: StepMetadata,
     kv: PagedKV,
     batch_invariant: bool,
+    extras: Sequence[torch.Tensor | None] = (),
 ) -> torch.Tensor:
     """`forward_step` outside inference mode, for torch.compile: dynamo fails on the views
     inference mode makes of normal tensors (torch 2.13: "Cannot set version_counter")."""
@@ -517,7 +520,9 @@ def step_logits(
 
     x = embeds
     for i, layer in enumerate(paged_layers(model)):
-        x = layer.forward_paged(x, rope, _layer_attention(kv, i, meta, layer.sliding_window), gemm)
+        attend_layer = _layer_attention(kv, i, meta, layer.sliding_window)
+        extra = extras[i] if i < len(extras) else None
+        x = layer.forward_paged(x, rope, attend_layer, gemm, extra)
     last = model.language_model.norm(x.index_select(0, meta.logits_indices))
     return linear(model.lm_head, last, batch_invariant).float()
 
@@ -528,8 +533,9 @@ def forward(
     chunks: list[SeqChunk],
     kv: PagedKV,
     batch_invariant: bool = True,
+    extras: Sequence[torch.Tensor | None] = (),
 ) -> torch.Tensor:
     """`forward_step` with the metadata of `chunks`: the float32 logits of the last token of
     each chunk with `need_logits`, in chunk order."""
     meta = step_metadata(chunks, kv.block_size, batch_invariant, kv.device, sliding_windows(model))
-    return forward_step(model, embeds, meta, kv, batch_invariant)
+    return forward_step(model, embeds, meta, kv, batch_invariant, extras)

@@ -17,6 +17,7 @@ Both layouts a checkpoint comes in share the tensor names (`model.visual.*`,
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -277,24 +278,51 @@ class Qwen3VL(nn.Module):
         visual = (self.cfg.image_token_id, self.cfg.video_token_id)
         return fill_visual_slots(self.language_model.embed_tokens, token_ids, visual, feats)
 
+    def encode_item(self, pixels_u8: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The engine's encode of one item (`core.encoders.ItemModel`): `encode_visual`'s
+        features, deepstack columns included (the cache stores them as one row per token), and
+        as importance each token's norm over its first `hidden` columns (what compression ranks
+        by: Qwen2.5-VL's attention-received score is not wired for this tower)."""
+        feats, _ = self.encode_visual(pixels_u8)
+        return feats, feats[:, : self.cfg.text.hidden_size].float().norm(dim=-1)
+
+    def deepstack_rows(
+        self, token_ids: list[int] | torch.Tensor, image_features: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The deepstack inputs of a prompt, for an engine that gathers a step's rows itself:
+        each token's row (host, long, -1 for a text token) in the table of its visual tokens'
+        deepstack columns ((visual tokens, num_deepstack * hidden), on the features' device,
+        layer k's input in columns [k * hidden, (k + 1) * hidden)); None when the prompt has no
+        visual token."""
+        ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
+        visual = (self.cfg.image_token_id, self.cfg.video_token_id)
+        count = itertools.count()
+        rows = [next(count) if i in visual else -1 for i in ids]
+        num = next(count)
+        if image_features is None or not num or not self.cfg.num_deepstack:
+            return None
+        if image_features.shape[0] != num:
+            raise ValueError(f"{num} visual tokens but {image_features.shape[0]} feature rows")
+        return torch.tensor(rows), image_features[:, self.cfg.text.hidden_size :]
+
     def deepstack_inputs(
         self, token_ids: list[int] | torch.Tensor, image_features: torch.Tensor | None
     ) -> list[torch.Tensor | None]:
-        """Per decoder layer, the `extra` its `forward_paged` adds to its output: for the first
-        `num_deepstack` layers a (tokens, hidden) tensor holding deepstack input k at the visual
-        rows and zero elsewhere; None for the other layers, and for all when no visual token is
-        among `token_ids`."""
-        ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
-        visual = (self.cfg.image_token_id, self.cfg.video_token_id)
+        """Per decoder layer, the `extra` its `forward_paged` adds to its output over a whole
+        prompt: for the first `num_deepstack` layers a (tokens, hidden) tensor holding deepstack
+        input k at the visual rows and zero elsewhere; None for the other layers, and for all
+        when no visual token is among `token_ids`."""
         extras: list[torch.Tensor | None] = [None] * self.cfg.text.num_layers
-        if image_features is None or not any(i in visual for i in ids):
+        found = self.deepstack_rows(token_ids, image_features)
+        if found is None:
             return extras
+        rows, table = found
         hidden = self.cfg.text.hidden_size
-        rows = torch.tensor([i in visual for i in ids]).to(image_features.device)[:, None]
-        zeros = image_features.new_zeros(len(ids), hidden)
+        zero = table.new_zeros(1, table.shape[1])
+        # Row 0 of the gathered table is zero: text tokens (-1) read it.
+        gathered = torch.cat([zero, table]).index_select(0, (rows + 1).to(table.device))
         for k in range(self.cfg.num_deepstack):
-            feats = image_features[:, (1 + k) * hidden : (2 + k) * hidden]
-            extras[k] = zeros.masked_scatter(rows, feats)
+            extras[k] = gathered.narrow(1, k * hidden, hidden)
         return extras
 
     def encoder_digest(self) -> str:

@@ -1,9 +1,11 @@
-"""The scheduler and paged engine on the real tiny Qwen2.5-VL and Gemma 3 checkpoints
+"""The scheduler and paged engine on the real tiny Qwen2.5-VL, Qwen3-VL and Gemma 3 checkpoints
 (tests/family_checkpoints.py), through `Engine` as the servicer drives it (admission of declared
 items, the family's encoder, grids from the rule): a request's logprobs are bitwise the same alone
 and in a batch (batch-invariant mode), a second request on the same image hits the prefix cache
 and answers identically, and greedy text survives preemption. Gemma's items include a
-pan-and-scan image of four views: four bidirectional runs of one item."""
+pan-and-scan image of four views: four bidirectional runs of one item. Qwen3-VL's images cross
+KV block boundaries, so its deepstack inputs meet prefill chunks and prefix hits that start
+inside an image."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from core.config import SchedulerConfig
 from core.engine import Engine, VisualItem
 from core.model.tokenizer import ChatTurn
 from core.types import Delta, InferRequest, ItemSpec, SamplingParams
-from tests.family_checkpoints import build_gemma, build_qwen
+from tests.family_checkpoints import build_gemma, build_qwen, build_qwen3
 
 pytest.importorskip("transformers")
 _ids = itertools.count()
@@ -30,16 +32,19 @@ _ids = itertools.count()
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
     build_qwen(root / "qwen")
+    build_qwen3(root / "qwen3")
     build_gemma(root / "gemma", do_pan_and_scan=True, pan_and_scan_min_crop_size=32)
-    return {"qwen": root / "qwen" / "t5", "gemma": root / "gemma"}
+    return {"qwen": root / "qwen" / "t5", "qwen3": root / "qwen3" / "t5", "gemma": root / "gemma"}
 
 
 def _pixels(family: str, seed: int) -> list[np.ndarray]:
-    """A request's items: Qwen one 56 x 84 image, or two; Gemma one view, or a whole image
-    with three crops."""
+    """A request's items: Qwen one 56 x 84 image, or two; Qwen3 the same at 32 px per token (15
+    tokens each: two of them cross the first two block boundaries); Gemma one view, or a whole
+    image with three crops."""
     rng = np.random.default_rng(seed)
     shapes = {
         "qwen": [(1, 3, 56, 84), (1, 3, 84, 56)],
+        "qwen3": [(1, 3, 96, 160), (1, 3, 160, 96)],
         "gemma": [(1, 3, 224, 224), (4, 3, 224, 224)],
     }[family][: 1 + seed % 2]
     return [rng.integers(0, 256, s, dtype=np.uint8) for s in shapes]
@@ -86,7 +91,7 @@ async def _ask(
     return text, logprobs
 
 
-@pytest.fixture(scope="module", params=["qwen", "gemma"])
+@pytest.fixture(scope="module", params=["qwen", "qwen3", "gemma"])
 def engine(request: pytest.FixtureRequest, checkpoints: dict[str, Path]) -> Iterator[Engine]:
     e = Engine(checkpoints[request.param], request.param, batch_invariant=True)
     yield e
@@ -152,3 +157,44 @@ def test_greedy_text_survives_preemption(checkpoints: dict[str, Path]) -> None:
             assert len(set(alone)) > 1
         finally:
             e.close()
+
+
+def _image_runs(engine: Engine, pixels: list[np.ndarray]) -> list[tuple[int, int]]:
+    """[start, end) of each image's tokens in the prompt `_ask` sends."""
+    tok, rule = engine.tokenizer, engine.info.rule
+    turns = [ChatTurn("user", "What colour is the circle?", len(pixels))]
+    ids = tok.expand(tok.encode_prompt(turns), [rule.visual_tokens(p.shape) for p in pixels])
+    starts = [i for i, t in enumerate(ids) if t == tok.image_token_id and ids[i - 1] != t]
+    return [(s, s + rule.visual_tokens(p.shape)) for s, p in zip(starts, pixels, strict=True)]
+
+
+def test_deepstack_inside_an_image_matches_the_unchunked_run(checkpoints: dict[str, Path]) -> None:
+    """Qwen3-VL, two images crossing block boundaries: prefilled in 16-token chunks (each image
+    split between two chunks), and on a prefix hit whose recomputed part starts inside the
+    first image (a request sharing only that image), the logprobs are bitwise those of a
+    one-chunk prefill with no hit."""
+    first, second = _pixels("qwen3", 1)
+    other = [first, _pixels("qwen3", 3)[1]]
+    whole = Engine(checkpoints["qwen3"], "qwen3", batch_invariant=True)
+    chunked = Engine(
+        checkpoints["qwen3"],
+        "qwen3",
+        scheduler=SchedulerConfig(max_prefill_chunk=16, max_batch_tokens=16),
+        batch_invariant=True,
+    )
+    try:
+        runs = _image_runs(whole, [first, second])
+        assert [s < 16 < e for s, e in runs] == [True, False]  # a chunk ends inside image 1
+        assert [s < 32 < e for s, e in runs] == [False, True]  # and one inside image 2
+        alone = asyncio.run(_ask(whole, [first, second], tenant="a"))
+        assert asyncio.run(_ask(chunked, [first, second], tenant="a")) == alone
+        expected = asyncio.run(_ask(whole, other, tenant="b"))  # another tenant: no hit
+        hits = whole.kv_manager.num_hit_tokens
+        got = asyncio.run(_ask(whole, other, tenant="a"))
+        hit = whole.kv_manager.num_hit_tokens - hits
+        assert runs[0][0] < hit < runs[0][1]  # the recomputed part starts inside image 1
+        assert got == expected
+        assert got != alone  # the second image differs: so does the answer
+    finally:
+        whole.close()
+        chunked.close()

@@ -120,7 +120,8 @@ class _Trace(TorchDispatchMode):
             return args[0]
         # Under inference mode `.to` arrives whole (aten.to.*), else as aten._to_copy.
         if func.overloadpacket in (ATEN.to, ATEN._to_copy) and _to_cuda(args[0], args, kwargs):
-            dtype = kwargs.get("dtype") or args[0].dtype
+            given = [a for a in args[1:] if isinstance(a, torch.dtype)]  # `.to(device, dtype)`
+            dtype = kwargs.get("dtype") or (given[0] if given else args[0].dtype)
             out: Any = torch.empty(args[0].shape, dtype=dtype, device=CUDA)
         elif not any(isinstance(t, FakeTensor) for t in ins) and not _names_cuda(args, kwargs):
             with _disable_current_modes():

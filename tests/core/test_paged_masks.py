@@ -45,7 +45,9 @@ class TinyLayer(nn.Module):
         self.up = nn.Linear(HIDDEN, 2 * HIDDEN)
         self.down = nn.Linear(2 * HIDDEN, HIDDEN)
 
-    def forward_paged(self, x: torch.Tensor, rope: Any, attend: Any, linear: Any) -> torch.Tensor:
+    def forward_paged(
+        self, x: torch.Tensor, rope: Any, attend: Any, linear: Any, extra: Any = None
+    ) -> torch.Tensor:
         sizes = [HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM]
         q, k, v = linear(self.qkv, self.norm(x)).split(sizes, -1)
         q, k, v = (t.view(-1, t.shape[1] // DIM, DIM).transpose(0, 1) for t in (q, k, v))

@@ -8,143 +8,31 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer
 
 from core.model import qwen3_vl
 from core.model.config import ModelConfigError
+from core.model.family import DeepstackModel, load_model
 from core.model.qwen2_5_vl_vision import patchify
 from core.model.tokenizer import ChatTokenizer, ChatTurn
 from tests.core.test_qwen_vl import DenseAttention, _linear, _pixels
-from tests.family_checkpoints import qwen_tokenizer
+from tests.family_checkpoints import QWEN3_TEMPLATE, Qwen3Checkpoints, build_qwen3
 from tests.helpers import run_in_child
 
 transformers = pytest.importorskip("transformers")
 ATOL = 1e-4  # float32 on both sides
-# Qwen3-VL's prompt layout: no default system turn, each image or video between vision marks
-# (the processor then splits a video into timestamped frame pairs: `video_placeholder`).
-TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for content in message['content'] %}{% if content['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' %}"
-    "<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}"
-    "{{ content['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 VIDEO_WRAPPER = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
-def _hf_config(tok: Tokenizer) -> object:
-    return transformers.Qwen3VLConfig(
-        text_config={
-            "vocab_size": 320,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 3,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 32,  # explicit, not hidden / heads
-            "max_position_embeddings": 512,
-            "rms_norm_eps": 1e-6,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "mrope_section": [6, 5, 5],
-                "mrope_interleaved": True,
-            },
-            "eos_token_id": tok.token_to_id("<|im_end|>"),
-        },
-        vision_config={
-            "depth": 3,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "out_hidden_size": 64,
-            "patch_size": 16,
-            "num_position_embeddings": 16,  # a 4 x 4 table, resized to every grid here
-            "deepstack_visual_indexes": [0, 1],
-        },
-        image_token_id=tok.token_to_id("<|image_pad|>"),
-        video_token_id=tok.token_to_id("<|video_pad|>"),
-        vision_start_token_id=tok.token_to_id("<|vision_start|>"),
-        vision_end_token_id=tok.token_to_id("<|vision_end|>"),
-        tie_word_embeddings=True,
-    )
-
-
-def _write_tokenizer(tok: Tokenizer, path: Path, template_file: str) -> None:
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    fast.chat_template = TEMPLATE
-    fast.save_pretrained(path)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
-    if template_file == "chat_template.json":  # the Hub's Qwen3-VL repositories
-        (path / "chat_template.jinja").unlink(missing_ok=True)
-        (path / template_file).write_text(json.dumps({"chat_template": TEMPLATE}))
-
-
-def _hub_config(nested: dict[str, object]) -> dict[str, object]:
-    """transformers 5's config.json as the Hub's (transformers 4.57) spells it: `rope_scaling`
-    and `rope_theta` in text_config, the vision rope's theta implied."""
-    out = dict(nested)
-    text = dict(out["text_config"])  # type: ignore[call-overload]
-    rope = dict(text.pop("rope_parameters"))
-    text["rope_theta"] = rope.pop("rope_theta")
-    text["rope_scaling"] = rope
-    out["text_config"] = text
-    vision = dict(out["vision_config"])  # type: ignore[call-overload]
-    vision.pop("rope_parameters")
-    out["vision_config"] = vision
-    out["tie_word_embeddings"] = False  # a larger Hub checkpoint stores lm_head
-    return out
-
-
-@dataclass
-class Checkpoints:
-    hf: object  # Qwen3VLForConditionalGeneration, float32, eval
-    hub: Path  # the Hub's layout
-    t5: Path  # transformers 5's layout
-    image_processor: object
-
-
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Checkpoints]:
-    root = tmp_path_factory.mktemp("qwen3")
-    tok = qwen_tokenizer()
-    torch.manual_seed(0)
-    hf = transformers.Qwen3VLForConditionalGeneration(_hf_config(tok)).eval()
-    with torch.no_grad():  # wider than the 0.02 init, so that greedy tokens vary
-        for name, p in hf.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.15 if "embed" not in name else 0.3)
-    hub, t5 = root / "hub", root / "t5"
-    hf.save_pretrained(t5)
-    shutil.copytree(t5, hub)
-    processor = transformers.Qwen2VLImageProcessorPil(
-        patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3
-    )
-    # transformers 5: nested processor_config.json, chat_template.jinja, tied head stored
-    # nowhere, end tokens in generation_config.json.
-    (t5 / "processor_config.json").write_text(
-        json.dumps({"image_processor": processor.to_dict()}, default=str)
-    )
-    _write_tokenizer(tok, t5, "chat_template.jinja")
-    # Hub: rope_scaling, preprocessor_config.json, chat_template.json, lm_head stored.
-    nested = json.loads((hub / "config.json").read_text())
-    (hub / "config.json").write_text(json.dumps(_hub_config(nested)))
-    processor.save_pretrained(hub)
-    state = load_file(hub / "model.safetensors")
-    state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"].clone()
-    save_file(state, hub / "model.safetensors", metadata={"format": "pt"})
-    _write_tokenizer(tok, hub, "chat_template.json")
-    yield Checkpoints(hf, hub, t5, processor)
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Qwen3Checkpoints:
+    return build_qwen3(tmp_path_factory.mktemp("qwen3"))
 
 
 def _video_patches(frames: torch.Tensor) -> torch.Tensor:
@@ -167,7 +55,7 @@ class Case:
 
 
 def _prompt(
-    ck: Checkpoints, content: list[dict[str, str]], videos: list[torch.Tensor]
+    ck: Qwen3Checkpoints, content: list[dict[str, str]], videos: list[torch.Tensor]
 ) -> list[int]:
     """The processor's prompt: the template rendered, each video's wrapper replaced by its
     timestamped frame pairs, each image slot repeated to its tokens by the caller."""
@@ -182,7 +70,7 @@ def _prompt(
     return list(fast(text, add_special_tokens=False)["input_ids"])
 
 
-def _case(ck: Checkpoints, items: list[tuple[str, int, int, int]]) -> Case:
+def _case(ck: Qwen3Checkpoints, items: list[tuple[str, int, int, int]]) -> Case:
     """items: (kind, frames, height, width) in prompt order."""
     cfg = qwen3_vl.load_config(ck.t5)
     pixels = [_pixels(i, f, h, w) for i, (_, f, h, w) in enumerate(items)]
@@ -215,7 +103,7 @@ CASES = {
 }
 
 
-def _reference(ck: Checkpoints, case: Case, new_tokens: int) -> tuple[torch.Tensor, list[int]]:
+def _reference(ck: Qwen3Checkpoints, case: Case, new_tokens: int) -> tuple[torch.Tensor, list[int]]:
     cfg = qwen3_vl.load_config(ck.t5)
     ids = torch.tensor([case.ids])
     types = (ids == cfg.image_token_id).int() + 2 * (ids == cfg.video_token_id).int()
@@ -264,7 +152,9 @@ def _ours(model: qwen3_vl.Qwen3VL, case: Case, new_tokens: int) -> tuple[torch.T
 
 @pytest.mark.parametrize("layout", ["hub", "t5"])
 @pytest.mark.parametrize("kind", sorted(CASES))
-def test_logits_and_greedy_match_transformers(ckpt: Checkpoints, layout: str, kind: str) -> None:
+def test_logits_and_greedy_match_transformers(
+    ckpt: Qwen3Checkpoints, layout: str, kind: str
+) -> None:
     case = _case(ckpt, CASES[kind])
     model = qwen3_vl.load(getattr(ckpt, layout))
     expected_logits, expected_tokens = _reference(ckpt, case, 8)
@@ -278,7 +168,7 @@ def test_logits_and_greedy_match_transformers(ckpt: Checkpoints, layout: str, ki
     assert len(set(tokens)) > 1  # greedy output that varies, so the comparison means something
 
 
-def test_deepstack_reaches_the_logits(ckpt: Checkpoints) -> None:
+def test_deepstack_reaches_the_logits(ckpt: Qwen3Checkpoints) -> None:
     """Without the deepstack inputs the logits move: the comparison above covers them."""
     model = qwen3_vl.load(ckpt.t5)
     case = _case(ckpt, CASES["one_image"])
@@ -298,7 +188,7 @@ def test_deepstack_reaches_the_logits(ckpt: Checkpoints) -> None:
     assert float((with_deepstack - without).abs().max()) > 1e-2
 
 
-def test_patchify_matches_the_image_processor(ckpt: Checkpoints) -> None:
+def test_patchify_matches_the_image_processor(ckpt: Qwen3Checkpoints) -> None:
     model = qwen3_vl.load(ckpt.t5)
     pixels = _pixels(3, 1, 128, 192)
     ref = ckpt.image_processor(  # type: ignore[operator]
@@ -309,7 +199,7 @@ def test_patchify_matches_the_image_processor(ckpt: Checkpoints) -> None:
     assert float((ours - ref["pixel_values"]).abs().max()) < 1e-5
 
 
-def test_positions_give_every_frame_pair_t_equal_start(ckpt: Checkpoints) -> None:
+def test_positions_give_every_frame_pair_t_equal_start(ckpt: Qwen3Checkpoints) -> None:
     """Two frame pairs of 1 x 2 tokens back to back, then text: each pair starts where the
     text before it ends, t does not advance inside a pair, text resumes at start + max(h, w)."""
     model = qwen3_vl.load(ckpt.t5)
@@ -337,7 +227,7 @@ def test_frame_seconds_average_each_pair() -> None:
     assert qwen3_vl.frame_seconds([0, 2, 4], fps=2.0) == [0.5, 2.0]  # last frame repeated
 
 
-def test_chat_tokenizer_renders_the_template_like_transformers(ckpt: Checkpoints) -> None:
+def test_chat_tokenizer_renders_the_template_like_transformers(ckpt: Qwen3Checkpoints) -> None:
     for layout in (ckpt.hub, ckpt.t5):
         chat = ChatTokenizer(layout, qwen3_vl.load_config(layout).image_token_id)
         fast = transformers.PreTrainedTokenizerFast.from_pretrained(layout)
@@ -345,7 +235,7 @@ def test_chat_tokenizer_renders_the_template_like_transformers(ckpt: Checkpoints
         expected = fast(
             fast.apply_chat_template(
                 [{"role": "user", "content": content}],
-                chat_template=TEMPLATE,
+                chat_template=QWEN3_TEMPLATE,
                 add_generation_prompt=True,
                 tokenize=False,
             ),
@@ -357,7 +247,7 @@ def test_chat_tokenizer_renders_the_template_like_transformers(ckpt: Checkpoints
     )
 
 
-def test_both_layouts_load_the_same_model(ckpt: Checkpoints) -> None:
+def test_both_layouts_load_the_same_model(ckpt: Qwen3Checkpoints) -> None:
     hub, t5 = qwen3_vl.load(ckpt.hub), qwen3_vl.load(ckpt.t5)
     assert hub.cfg.text.tie_word_embeddings is False  # stored lm_head, read as stored
     assert replace(hub.cfg, text=replace(hub.cfg.text, tie_word_embeddings=True)) == t5.cfg
@@ -368,7 +258,7 @@ def test_both_layouts_load_the_same_model(ckpt: Checkpoints) -> None:
         assert torch.equal(a, b), name
 
 
-def _broken(ckpt: Checkpoints, tmp_path: Path, change: Callable[[Path], None]) -> str:
+def _broken(ckpt: Qwen3Checkpoints, tmp_path: Path, change: Callable[[Path], None]) -> str:
     target = tmp_path / "broken"
     shutil.copytree(ckpt.t5, target)
     change(target)
@@ -426,7 +316,7 @@ def _drop_tensor(path: Path) -> None:
     ],
 )
 def test_malformed_checkpoint_is_one_line(
-    ckpt: Checkpoints, tmp_path: Path, change: Callable[[Path], None], words: str
+    ckpt: Qwen3Checkpoints, tmp_path: Path, change: Callable[[Path], None], words: str
 ) -> None:
     assert words in _broken(ckpt, tmp_path, change)
 
@@ -482,9 +372,34 @@ def fake_cuda_prefill(model_dir: str, ids: list[int], shapes: list[list[int]]) -
     print("fake cuda prefill ok", len(ops), "ops")
 
 
-def test_a_prefill_runs_on_cuda_in_bf16(ckpt: Checkpoints) -> None:
+def test_a_prefill_runs_on_cuda_in_bf16(ckpt: Qwen3Checkpoints) -> None:
     """`fake_cuda_prefill` for the image-and-video prompt, in a child process."""
     case = _case(ckpt, CASES["image_and_video"])
     shapes = [list(p.shape) for p in case.pixels]
     out = run_in_child("tests.core.test_qwen3_vl.fake_cuda_prefill", str(ckpt.t5), case.ids, shapes)
     assert "fake cuda prefill ok" in out
+
+
+def test_the_registry_serves_it_with_its_deepstack_rows(ckpt: Qwen3Checkpoints) -> None:
+    """`load_model` picks Qwen3-VL by model_type; `encode_item` keeps the deepstack columns
+    (the cache stores them) and ranks tokens by their first `hidden` columns; `deepstack_rows`
+    maps each visual token, in order, to its row of those columns, and text tokens to -1."""
+    model = load_model(ckpt.t5)
+    assert isinstance(model, qwen3_vl.Qwen3VL) and isinstance(model, DeepstackModel)
+    case = _case(ckpt, CASES["one_image"])
+    hidden, image = model.cfg.text.hidden_size, model.cfg.image_token_id
+    with torch.no_grad():
+        feats, importance = model.encode_item(case.pixels[0])
+        expected, _ = model.encode_visual(case.pixels[0])
+    assert torch.equal(feats, expected) and feats.shape == (35, 3 * hidden)
+    assert torch.equal(importance, feats[:, :hidden].norm(dim=-1))
+    found = model.deepstack_rows(case.ids, feats)
+    assert found is not None
+    rows, table = found
+    visual = [i for i, t in enumerate(case.ids) if t == image]
+    assert rows[visual].tolist() == list(range(35))
+    assert (rows[[i for i, t in enumerate(case.ids) if t != image]] == -1).all()
+    assert torch.equal(table, feats[:, hidden:])
+    assert model.deepstack_rows([1, 2, 3], None) is None
+    with pytest.raises(ValueError, match="35 visual tokens but 34 feature rows"):
+        model.deepstack_rows(case.ids, feats[:34])

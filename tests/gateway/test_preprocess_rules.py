@@ -63,6 +63,9 @@ def _processor(kind: str, **kwargs: Any) -> Any:
         warnings.simplefilter("ignore")
         if kind == "qwen2_5_vl":
             return transformers.Qwen2VLImageProcessorPil(**kwargs)
+        if kind == "qwen3_vl":  # Qwen3-VL's processor is Qwen2-VL's at 16 px patches
+            half = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3}
+            return transformers.Qwen2VLImageProcessorPil(patch_size=16, **half, **kwargs)
         return transformers.Gemma3ImageProcessorPil(**kwargs)
 
 
@@ -165,6 +168,11 @@ QWEN_SETTINGS = {
     "qwen2.5 hub": {"min_pixels": 3136, "max_pixels": 12845056},
     "tight": {"min_pixels": 100_000, "max_pixels": 200_000},
 }
+# Qwen3-VL's published preprocessor_config.json sizes, and a tight one.
+QWEN3_SETTINGS = {
+    "qwen3 hub": {"size": {"shortest_edge": 64 * 64 * 16, "longest_edge": 32 * 32 * 16384}},
+    "tight": {"size": {"shortest_edge": 100_000, "longest_edge": 200_000}},
+}
 GEMMA = {
     "size": {"height": 896, "width": 896},
     "do_pan_and_scan": True,
@@ -190,6 +198,21 @@ def test_native_rule_matches_qwen_processor(
     assert rule.kind == "native" and rule.resample == "bicubic"
     data = GENERATED[name]()
     _check(gateway_views(worker, data, rule), qwen_reference(processor, _upright(data)), name)
+
+
+@pytest.mark.parametrize("setting", list(QWEN3_SETTINGS))
+@pytest.mark.parametrize("name", list(GENERATED))
+def test_native_rule_at_16_px_patches_matches_qwen3_processor(
+    worker: Worker, tmp_path: Path, name: str, setting: str
+) -> None:
+    """Qwen3-VL's rule: 32 px merged tokens (patch 16 x merge 2), mean and std 0.5."""
+    processor = _processor("qwen3_vl", **QWEN3_SETTINGS[setting])
+    rule = _rule(tmp_path, "qwen3_vl", processor)
+    assert (rule.kind, rule.factor, rule.mean) == ("native", 32, (0.5, 0.5, 0.5))
+    data = GENERATED[name]()
+    got = gateway_views(worker, data, rule)
+    _check(got, qwen_reference(processor, _upright(data)), name)
+    assert got.shape[2] % 32 == 0 and got.shape[3] % 32 == 0
 
 
 @pytest.mark.parametrize("name", list(GENERATED))

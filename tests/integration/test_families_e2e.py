@@ -1,12 +1,14 @@
-"""Qwen2.5-VL and Gemma 3 served end to end: a tiny random-weight checkpoint of each (built by
-transformers' own classes, tests/family_checkpoints.py) behind a real core and a real gateway;
-real PNG / JPEG files go through the gateway's sandboxed workers (resized per the core's rule)
-and the answer is compared with transformers' greedy generation on its own processor's pixels
+"""Qwen2.5-VL, Qwen3-VL and Gemma 3 served end to end: a tiny random-weight checkpoint of each
+(built by transformers' own classes, tests/family_checkpoints.py) behind a real core and a real
+gateway; real PNG / JPEG files go through the gateway's sandboxed workers (resized per the core's
+rule) and the answer is compared with transformers' greedy generation on its own processor's pixels
 for the same file: the same 8 tokens (text), and the logprob of each within 1e-3 (the logits
-path). Also: both families share one feature cache without colliding, a repeat is a hit, and a
-compression profile serves from the features an uncompressed request cached.
+path; Qwen3-VL's deepstack inputs included). Also: the families share one feature cache without
+colliding (Qwen3-VL's rows are wider: its deepstack columns are stored with them), a repeat is a
+hit and answers the same, and a compression profile serves from the features an uncompressed
+request cached.
 
-Sizes keep it quick: Qwen's processor is capped at 16 merged tokens per image, Gemma's views are
+Sizes keep it quick: Qwen's processors are capped at 16 merged tokens per image, Gemma's views are
 224 px with 16 tokens each (pan and scan on, so a wide image is the whole image plus crops, each
 its own bidirectional run)."""
 
@@ -27,13 +29,14 @@ from PIL import Image, ImageDraw
 
 from shared.proto import gateway_pb2, gateway_pb2_grpc
 from tests.conftest import Stack, start_stack, stop_stack
-from tests.family_checkpoints import build_gemma, build_qwen, gemma_hub_copy
+from tests.family_checkpoints import build_gemma, build_qwen, build_qwen3, gemma_hub_copy
 from tests.helpers import DEV_KEY
 
 transformers = pytest.importorskip("transformers")
 NEW_TOKENS = 8
 PROMPT = "What colour is the circle?"
 QWEN_MAX_PIXELS = 28 * 28 * 16  # merged tokens per image at most
+QWEN3_SIZE = {"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 16}  # 4..16 tokens per image
 PAN_AND_SCAN = {
     "do_pan_and_scan": True,
     "pan_and_scan_min_crop_size": 32,
@@ -213,6 +216,16 @@ def qwen(tmp_path_factory: pytest.TempPathFactory, shared: dict[str, str]) -> It
 
 
 @pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory, shared: dict[str, str]) -> Iterator[Family]:
+    root = tmp_path_factory.mktemp("qwen3")
+    ck = build_qwen3(root, size=QWEN3_SIZE)
+    model = root / "t5"
+    stack = _stack(model, root / "logs", shared)
+    yield Family(stack, _qwen_reference(ck, model))
+    stop_stack(stack)
+
+
+@pytest.fixture(scope="module")
 def gemma(tmp_path_factory: pytest.TempPathFactory, shared: dict[str, str]) -> Iterator[Family]:
     root = tmp_path_factory.mktemp("gemma")
     model = root / "t5"  # the same directory name as Qwen's: model ids alike, keys still apart
@@ -226,7 +239,7 @@ SQUARE = _picture(150, 130, 1, "PNG")
 WIDE = _picture(400, 130, 2, "JPEG")  # Gemma: three pan-and-scan crops; Qwen: 16 tokens
 
 
-@pytest.mark.parametrize("family", ["qwen", "gemma"])
+@pytest.mark.parametrize("family", ["qwen", "qwen3", "gemma"])
 @pytest.mark.parametrize("media", [[SQUARE], [SQUARE, WIDE]], ids=["one_image", "two_images"])
 def test_greedy_answer_matches_transformers(
     request: pytest.FixtureRequest, family: str, media: list[bytes]
@@ -235,29 +248,35 @@ def test_greedy_answer_matches_transformers(
     _check(_ask(served.stack, media), served.reference(media), f"{family} {len(media)} image(s)")
 
 
-def test_the_same_image_under_two_families_never_collides(qwen: Family, gemma: Family) -> None:
+def test_the_same_image_under_three_families_never_collides(
+    qwen: Family, qwen3: Family, gemma: Family
+) -> None:
     picture = _picture(120, 90, 3, "PNG")
-    first = [_ask(f.stack, [picture]).final for f in (qwen, gemma)]
-    again = [_ask(f.stack, [picture]).final for f in (qwen, gemma)]
-    assert [f.cache[0].hit for f in first] == [False, False]  # Gemma does not read Qwen's entry
-    assert [f.cache[0].hit for f in again] == [True, True]
+    families = (qwen, qwen3, gemma)
+    first = [_ask(f.stack, [picture]).final for f in families]
+    again = [_ask(f.stack, [picture]).final for f in families]
+    assert [f.cache[0].hit for f in first] == [False] * 3  # none reads another's entry
+    assert [f.cache[0].hit for f in again] == [True] * 3
     assert [a.text for a in again] == [f.text for f in first]
     assert "encode" not in again[0].timings_ms and "encode" in first[0].timings_ms
 
 
-@pytest.mark.parametrize("family", ["qwen", "gemma"])
+@pytest.mark.parametrize("family", ["qwen", "qwen3", "gemma"])
 def test_balanced_profile_serves_from_the_same_cached_features(
     request: pytest.FixtureRequest, family: str
 ) -> None:
-    """`balanced` keeps half of each unit's tokens (Qwen: of the image's 2 x 7; Gemma: of each of
-    the wide image's 4 views), from the features the uncompressed request cached."""
+    """`balanced` keeps half of each unit's tokens (Qwen2.5-VL: of the image's 2 x 7; Qwen3-VL:
+    of its 2 x 7 at 32 px; Gemma: of each of the wide image's 4 views), from the features the
+    uncompressed request cached (Qwen3-VL's deepstack columns pruned with them)."""
     served: Family = request.getfixturevalue(family)
     media = [_picture(400, 130, 4, "PNG")]  # Gemma: the whole image and three crops
     whole = _ask(served.stack, media, "none").final
     half = _ask(served.stack, media, "balanced").final
     assert half.cache[0].hit and "compress" in half.timings_ms and "encode" not in half.timings_ms
     assert half.usage.visual_tokens_before == whole.usage.visual_tokens_after
-    assert half.usage.visual_tokens_before == {"qwen": 2 * 7, "gemma": 4 * 16}[family]
+    assert (
+        half.usage.visual_tokens_before == {"qwen": 2 * 7, "qwen3": 2 * 7, "gemma": 4 * 16}[family]
+    )
     assert half.usage.visual_tokens_after * 2 == half.usage.visual_tokens_before
     assert half.usage.text_tokens == whole.usage.text_tokens
     assert half.usage.output_tokens == NEW_TOKENS
