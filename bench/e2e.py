@@ -105,25 +105,42 @@ class Session:
 
 
 def workload(n: int, seed: int) -> list[Session]:
-    """`n` sessions drawn from the held-out split; the same (n, seed) gives the same bytes."""
+    """`n` sessions drawn from the held-out split; the same (n, seed) gives the same bytes.
+    Each kind rotates through its scenarios; a several-question session asks about as many
+    scenarios as its scene answers."""
     rng = np.random.default_rng([seed, 0xE2E])
     kinds, shares = zip(*MIX, strict=True)
+    seen: dict[str, int] = {}
     out = []
     for i in range(n):
         kind = str(rng.choice(kinds, p=shares))
-        if kind == "single":
-            it = suite.item(suite.Split.EVAL, seed, i, suite.SINGLE[i % len(suite.SINGLE)])
-            asked = suite.questions(it)[:1]
-        elif kind == "large":
-            it = suite.item(suite.Split.EVAL, seed, i, suite.DETAIL[i % len(suite.DETAIL)])
+        turn = seen[kind] = seen.get(kind, -1) + 1
+        if kind in ("single", "large"):
+            pool = suite.SINGLE if kind == "single" else suite.DETAIL
+            it = suite.item(suite.Split.EVAL, seed, i, pool[turn % len(pool)])
             asked = suite.questions(it)[:1]
         else:
-            it = suite.item(suite.Split.EVAL, seed, i, MULTI[i % len(MULTI)])
-            own, *rest = suite.questions(it)
-            picks = rng.choice(len(rest), min(len(rest), QUESTIONS_PER_IMAGE - 1), replace=False)
-            asked = [own, *(rest[int(p)] for p in picks)]
+            it, asked = _several(rng, seed, i, n, MULTI[turn % len(MULTI)])
         out.append(Session(kind, it.pngs(), tuple(asked), kind == "multi-turn"))
     return out
+
+
+def _several(
+    rng: np.random.Generator, seed: int, i: int, n: int, scenario: str
+) -> tuple[suite.Item, list[suite.Question]]:
+    """The first scene (items i, i + n, i + 2n, ...: never another session's) that answers
+    QUESTIONS_PER_IMAGE questions: its own, then one per other scenario in a seeded order."""
+    for index in range(i, i + 64 * n, n):
+        it = suite.item(suite.Split.EVAL, seed, index, scenario)
+        own, *rest = suite.questions(it)
+        by: dict[str, list[suite.Question]] = {}
+        for q in rest:
+            by.setdefault(q.scenario, []).append(q)
+        order = sorted(by, key=lambda sc: (sc == own.scenario, rng.random()))
+        asked = [own] + [by[sc][int(rng.integers(len(by[sc])))] for sc in order]
+        if len(asked) >= QUESTIONS_PER_IMAGE:
+            return it, asked[:QUESTIONS_PER_IMAGE]
+    raise AssertionError(f"no {scenario} scene answers {QUESTIONS_PER_IMAGE} questions")
 
 
 @dataclass(frozen=True, slots=True)
@@ -424,13 +441,15 @@ def _progress(total: int, label: str, quiet: bool) -> Any:
 
 def run(s: Settings, quiet: bool = True, rows: tuple[Row, ...] = ROWS) -> dict[str, Any]:
     """Every row on the same workload, `rounds` times in turn (so that a change in the shared
-    machine's load falls on every row alike); the one JSON-ready object `--json` prints."""
+    machine's load falls on every row alike, the order reversed every other round); the one
+    JSON-ready object `--json` prints."""
     sessions = workload(s.n, s.seed)
     total = sum(len(x.questions) for x in sessions)
     t0 = time.perf_counter()
     runs: list[list[Measured]] = [[] for _ in rows]
     for r in range(s.rounds):
-        for i, row in enumerate(rows):
+        order = list(enumerate(rows))  # every other round backwards: no row always goes first
+        for i, row in order if r % 2 == 0 else order[::-1]:
             bar = _progress(total, f"{row.name} ({r + 1}/{s.rounds})", quiet)
             try:
                 runs[i].append(run_row(s, row, sessions, s.logs / f"row{i}", bar.update))
