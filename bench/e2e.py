@@ -109,7 +109,7 @@ def workload(n: int, seed: int) -> list[Session]:
     Each kind rotates through its scenarios; a several-question session asks about as many
     scenarios as its scene answers."""
     rng = np.random.default_rng([seed, 0xE2E])
-    kinds, shares = zip(*MIX, strict=True)
+    kinds, shares = [k for k, _ in MIX], [share for _, share in MIX]
     seen: dict[str, int] = {}
     out = []
     for i in range(n):
@@ -161,7 +161,8 @@ async def _session(client: Any, row: Row, s: Session) -> list[Outcome]:
     from visor.errors import VisorError
     from visor.request import Turn
 
-    out, history = [], []
+    out: list[Outcome] = []
+    history: list[Turn] = []
     for i, q in enumerate(s.questions):
         first = i == 0 or not s.conversation
         media, turns = (list(s.media), []) if first else ([], history)
@@ -456,9 +457,8 @@ def run(s: Settings, quiet: bool = True, rows: tuple[Row, ...] = ROWS) -> dict[s
             finally:
                 bar.close()
     measured = [summarise_row(row, got) for row, got in zip(rows, runs, strict=True)]
-    base = measured[0]
-    for r in measured:
-        r["vs_none"] = versus(r, base)
+    for summary in measured:
+        summary["vs_none"] = versus(summary, measured[0])
     kinds: dict[str, int] = {}
     for x in sessions:
         kinds[x.kind] = kinds.get(x.kind, 0) + len(x.questions)
@@ -478,7 +478,7 @@ def run(s: Settings, quiet: bool = True, rows: tuple[Row, ...] = ROWS) -> dict[s
         "rows": measured,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    if measured[-1]["name"] == "all" and base["name"] == "none":
+    if measured[-1]["name"] == "all" and measured[0]["name"] == "none":
         out["targets"] = targets(measured[-1]["vs_none"])
     return out
 
