@@ -273,6 +273,38 @@ def _bench_structured(args: argparse.Namespace) -> int:
     return structured.main(Path(args.model), args.steps, args.samples)
 
 
+def _bench_e2e(args: argparse.Namespace) -> int:
+    from bench import e2e
+
+    logs.configure("bench", "warning")
+    settings = e2e.Settings(
+        Path(args.model),
+        args.n,
+        args.seed,
+        args.concurrency,
+        args.threads,
+        args.rounds,
+        Path(args.logs),
+    )
+    return e2e.main(settings, args.json, args.plot)
+
+
+def _add_e2e_bench(bs: Any) -> None:
+    e = bs.add_parser(
+        "e2e", help="each optimisation and all of them, through a real gateway and core"
+    )
+    e.add_argument("--model", default="models/demo")
+    e.add_argument("--n", type=int, default=200, help="sessions in the workload")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--concurrency", type=int, default=16, help="closed-loop clients")
+    e.add_argument("--threads", type=int, default=1, help="the core's torch threads")
+    e.add_argument("--rounds", type=int, default=2, help="replays of every row, in turn")
+    e.add_argument("--json", action="store_true", help="no progress bars; stdout is JSON")
+    e.add_argument("--plot", type=Path, help="write a PNG chart here")
+    e.add_argument("--logs", default=".visor/bench-e2e", help="service logs and caches go here")
+    e.set_defaults(fn=_bench_e2e)
+
+
 def _add_structured_bench(bs: Any) -> None:
     st = bs.add_parser("structured", help="llguidance vs xgrammar vs outlines-core: masks, schemas")
     st.add_argument("--model", default="models/demo", help="read for its tokenizer")
@@ -388,6 +420,7 @@ def parser() -> argparse.ArgumentParser:
     sk.set_defaults(fn=_bench_soak)
     _add_scheduler_benches(bs)
     _add_structured_bench(bs)
+    _add_e2e_bench(bs)
     m = sub.add_parser("model", help="model tools").add_subparsers(dest="model_cmd", required=True)
     i = m.add_parser("init-demo", help="build the demo checkpoint (no download)")
     i.add_argument("--out", default="models/demo")
