@@ -220,3 +220,37 @@ def tiles(
 ) -> PreprocessRule:
     """LLaVA-NeXT's tile grid (the letterbox and tile resize are bicubic)."""
     return PreprocessRule("tiles", tuple(mean), tuple(std), "bicubic", image_size, tokens_per_tile)
+
+
+def best_pinpoint(
+    width: int, height: int, pinpoints: tuple[tuple[int, int], ...]
+) -> tuple[int, int]:
+    """LLaVA-NeXT's `select_best_resolution`: the (height, width) canvas that keeps the most of
+    the image's pixels once fitted, then wastes the least; the first such in order."""
+    best, best_key = pinpoints[0], (-1, 0)
+    for ph, pw in pinpoints:
+        scale = min(pw / width, ph / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        key = (kept, -(pw * ph - kept))
+        if key > best_key:
+            best, best_key = (ph, pw), key
+    return best
+
+
+def anyres_grid_size(
+    rows: int, cols: int, side: int, width: int, height: int, anyres_max: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A rows x cols grid of `side` x `side` token tiles, for a `width` x `height` image:
+    ((h, w) of the token map unpadded to the image's aspect, (h, w) after the downscale that
+    keeps it near `anyres_max` tiles' worth; 0: never). As LLaVA-OneVision computes them."""
+    cur_h, cur_w = rows * side, cols * side
+    if width / height > cur_w / cur_h:
+        new = int(round(height * (cur_w / width), 7))
+        cur_h -= (cur_h - new) // 2 * 2
+    else:
+        new = int(round(width * (cur_h / height), 7))
+        cur_w -= (cur_w - new) // 2 * 2
+    ratio = math.sqrt(cur_h * cur_w / (anyres_max * side**2)) if anyres_max else 0.0
+    if ratio > 1.1:
+        return (cur_h, cur_w), (int(cur_h // ratio), int(cur_w // ratio))
+    return (cur_h, cur_w), (cur_h, cur_w)
