@@ -18,12 +18,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from core.model import config as model_config
-from core.model.config import LlavaConfig, ModelConfigError, read_json
+from core.model.config import LlavaConfig, ModelConfigError, processor_config, read_json
 from core.model.llava import CPU, Llava, canonical_name
 from core.model.weights import check_state, fuse, read_state
 from shared.preprocess import anyres_grid_size
@@ -84,13 +85,22 @@ class LlavaOnevision(Llava):
         grid = torch.cat([grid, newline[:, None, None].expand(hidden, out_h, 1)], dim=-1)
         return torch.cat([features[0], grid.flatten(1).transpose(0, 1)])
 
+    def arrange_item(
+        self, features: np.ndarray, views: int, rows: int, cols: int, width: int, height: int
+    ) -> np.ndarray:
+        """`arrange` on one cached entry's (views * tokens_per_tile, hidden) float32 rows, on
+        the host (the core's servicer calls it between the cache and the LLM)."""
+        with torch.inference_mode():
+            tiles = torch.from_numpy(features).view(views, -1, features.shape[-1])
+            return self.arrange(tiles, rows, cols, width, height).float().numpy()
+
 
 def load_config(model_dir: Path) -> tuple[LlavaConfig, tuple[tuple[int, int], ...], int]:
     """The LLaVA config under OneVision's defaults, the grid pinpoints and anyres_max_N's N."""
     raw = read_json(model_dir / "config.json", required=True)
     raw = {**DEFAULTS, **raw, "vision_config": {**VISION_DEFAULTS, **raw.get("vision_config", {})}}
     raw.setdefault("text_config", {}).setdefault("model_type", "qwen2")
-    cfg = model_config.parse(raw, read_json(model_dir / "preprocessor_config.json"))
+    cfg = model_config.parse(raw, processor_config(model_dir)[1])
     aspect = raw["vision_aspect_ratio"]
     if not isinstance(aspect, str) or not aspect.startswith(ANYRES):
         raise ModelConfigError(f"vision_aspect_ratio = {aspect!r} (only {ANYRES}<N>)")
@@ -102,7 +112,10 @@ def load_config(model_dir: Path) -> tuple[LlavaConfig, tuple[tuple[int, int], ..
 
 
 def _pinpoints(value: object, size: int) -> tuple[tuple[int, int], ...]:
-    """The pinpoints as (height, width) pairs, each a whole number of tiles of `size`."""
+    """The pinpoints as (height, width) pairs, each a whole number of tiles of `size`; absent:
+    transformers' default, every grid up to 6 x 6 tiles."""
+    if value is None:
+        value = [[r * size, c * size] for r in range(1, 7) for c in range(1, 7)]
     pairs = value if isinstance(value, list) and value else None
     if pairs is None or not all(
         isinstance(p, list) and len(p) == 2 and all(isinstance(v, int) for v in p) for p in pairs

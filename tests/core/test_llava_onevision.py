@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,16 @@ import torch
 
 from core.model import family, llava_onevision
 from core.model.config import ModelConfigError
+from core.model.preprocessing import rule_for
 from core.model.tokenizer import ChatTokenizer, ChatTurn
-from shared.preprocess import anyres_grid_size, best_pinpoint
+from gateway import decode
+from gateway.config import LimitsConfig
+from gateway.pipeline import decode_spec, plan_media
+from gateway.sniff import sniff
+from shared.preprocess import PreprocessRule, anyres_grid_size, best_pinpoint
 from tests.core.test_qwen_vl import DenseAttention, _linear
+from tests.gateway.test_preprocess_rules import GENERATED, Worker, _to_uint8, _upright
+from tests.gateway.test_preprocess_rules import _check as _check_pixels
 from tests.onevision_checkpoint import (
     ASPECT,
     PINPOINTS,
@@ -180,3 +188,66 @@ def test_refusals_name_the_key(ckpt: OnevisionCheckpoint, tmp_path: Path) -> Non
     assert "image_grid_pinpoints" in broken({"image_grid_pinpoints": "big"})
     text = json.loads((ckpt.t5 / "config.json").read_text())["text_config"]
     assert "lacks" in broken({"text_config": {**text, "num_hidden_layers": 3}})
+
+
+# ---- the gateway's pixels against LlavaOnevisionImageProcessorPil -----------------------------
+
+PIXEL_CASES = [
+    "odd-png-641x479",
+    "tall-jpeg-37x1001",
+    "alpha-png-300x200",
+    "jpeg-777x555 (two crops)",
+]
+PIXEL_CASES += ["webp-1200x400 (pan and scan)", "tiny-png-20x30 (min_pixels)"]
+WIDE_LIMITS = LimitsConfig(max_tiles=36)  # every one of the default pinpoints may be chosen
+
+
+@pytest.fixture(scope="module")
+def worker() -> Iterator[Worker]:
+    w = Worker()
+    yield w
+    w.close()
+
+
+def _hub_rule(tmp: Path) -> tuple[PreprocessRule, Any]:
+    """A Hub OneVision checkpoint's rule (SigLIP at 384 px, the default 36 pinpoints, mean and
+    std 0.5), read by `rule_for` from the configs the processor and model save."""
+    processor = transformers.LlavaOnevisionImageProcessorPil(
+        image_mean=[0.5] * 3, image_std=[0.5] * 3
+    )
+    processor.save_pretrained(tmp)
+    (tmp / "config.json").write_text(json.dumps({"model_type": "llava_onevision"}))
+    return rule_for(tmp, "llava_onevision"), processor
+
+
+def _views(worker: Worker, data: bytes, rule: PreprocessRule, detail: str) -> np.ndarray:
+    fmt = sniff(data)
+    lim = WIDE_LIMITS
+    probe_args = {"fmt": fmt, "max_pixels": lim.max_pixels, "max_side": lim.max_side}
+    body = worker.run("probe", {**probe_args, "max_frames": 1}, data).body
+    probe = decode.Probe(int(body["width"]), int(body["height"]), 1)
+    plan = plan_media(0, probe, False, detail, rule, lim)
+    spec = decode_spec(fmt, plan.grid, (0,), rule, (0, 0, 0), lim)
+    (array,) = worker.run("decode", spec.to_json(), data).arrays
+    assert array.shape == rule.item_shape(plan.grid.rows, plan.grid.cols)
+    return np.asarray(array)
+
+
+@pytest.mark.parametrize("name", PIXEL_CASES)
+def test_gateway_pixels_match_the_processor(worker: Worker, tmp_path: Path, name: str) -> None:
+    rule, processor = _hub_rule(tmp_path)
+    assert rule.kind == "tiles" and rule.tokens_per_tile == 729 and len(rule.canvases) == 36
+    data = GENERATED[name]()
+    img = _upright(data)
+    # A lone image at detail=high: the whole image squashed, then the best canvas's tiles.
+    lone = processor([img])["pixel_values"][0]
+    want = np.stack([_to_uint8(np.asarray(v), processor) for v in lone])
+    got = _views(worker, data, rule, "high")
+    if want.shape[0] == 2:  # the processor's 1 x 1 grid: the gateway sends one padded view
+        assert got.shape[0] == 1
+    else:
+        _check_pixels(got, want, name)
+    # One image among several (detail=low): padded to a square with the mean, resized.
+    many = processor([[img, img]])["pixel_values"][0]
+    want = _to_uint8(np.asarray(many[0]), processor)[None]
+    _check_pixels(_views(worker, data, rule, "low"), want, name)
