@@ -118,7 +118,9 @@ def _check(ck: OnevisionCheckpoint, model_dir: Path, images: list[np.ndarray]) -
         ref = ck.hf(input_ids=hf_in["input_ids"], **hf_args).logits[0]
         kv = DenseAttention(model.cfg.text.num_layers)
         logits = _run(model, model.embed(ids, torch.cat(per_item)), 0, kv)
-        assert (logits - ref).abs().max().item() <= ATOL
+        diff = (logits - ref).abs().max().item()
+        print(f"{model_dir.name} {len(images)} image(s): max abs logit difference {diff:.2e}")
+        assert diff <= ATOL
         out = ck.hf.generate(
             input_ids=hf_in["input_ids"], **hf_args, max_new_tokens=8, do_sample=False
         )[0, len(ids) :].tolist()
