@@ -28,6 +28,7 @@ from core.model.tokenizer import IMAGE, VIDEO, ChatTokenizer, ChatTurn
 from core.structured import Grammar, GrammarCompiler
 from core.types import CoreInfo, InferRequest, ItemSpec
 from shared.errors import Reason, VisorError
+from shared.preprocess import PreprocessRule
 from shared.sampling import check_logprobs, check_response_format, check_sampling, check_stop
 
 # Seconds between a video item's frames at most: rope time steps stay small integers (a GIF's
@@ -175,7 +176,7 @@ class InputProcessor:
         for item in items:
             self._check_item(item)
             self._check_video(item)
-            counts.append(compression.item_tokens(rule, item.shape, chosen))
+            counts.append(_item_tokens(rule, item, chosen))
         return tuple(counts)
 
     def _check_item(self, item: ItemSpec) -> None:
@@ -258,6 +259,26 @@ class InputProcessor:
             spans.append(ImageSpan(pos, pos + count, key))
             pos += count
         return ids, tuple(spans)
+
+
+def _item_tokens(rule: PreprocessRule, item: ItemSpec, chosen: compression.Profile) -> int:
+    """An item's visual tokens (`compression.item_tokens`); under a rule with pinpoints
+    (LLaVA-OneVision), from its grid, one of the rule's canvases, and its source size, with no
+    compression profile (the model reads the grid's tokens as one unpadded map)."""
+    if not rule.pinpoints:
+        return compression.item_tokens(rule, item.shape, chosen)
+    if chosen.steps:
+        raise VisorError(
+            Reason.INVALID_REQUEST, "this core's model takes no compression profile (only none)"
+        )
+    rows, cols, size = item.tile_rows, item.tile_cols, rule.image_size
+    grid_ok = rows * cols == 1 or (rows * size, cols * size) in rule.canvases
+    if not grid_ok or min(item.source_width, item.source_height) < 1:
+        raise VisorError(
+            Reason.INVALID_REQUEST,
+            "an anyres item needs a grid among the rule's pinpoints and its source size",
+        )
+    return rule.anyres_tokens(rows, cols, item.source_width, item.source_height)
 
 
 def _with_kinds(turns: tuple[ChatTurn, ...], items: tuple[ItemSpec, ...]) -> list[ChatTurn]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import grpc
 import numpy as np
@@ -58,6 +58,8 @@ def request_from_proto(h: core_pb2.InferHeader) -> InferRequest:
                 tuple(i.shape),
                 i.frame,
                 i.frame_interval_s,
+                i.source_width,
+                i.source_height,
             )
             for i in h.items
         ),
@@ -154,6 +156,11 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
                 self.features.store(keys[i], entry, req.cache)
         full = [e for e in entries if e is not None]
         features = [e.features for e in full]
+        arrange = getattr(self.engine.model, "arrange_item", None)  # LLaVA-OneVision's anyres
+        if arrange is not None and full:
+            t0 = time.perf_counter()
+            features = await asyncio.to_thread(_arrange_all, arrange, req.items, features)
+            timings["arrange"] = (time.perf_counter() - t0) * 1000
         kept: list[compression.Kept | None] = [None] * len(full)  # every token, uncompressed
         if chosen.steps and full:
             t0 = time.perf_counter()
@@ -209,6 +216,16 @@ def _note_result(r: Result) -> None:
         output_tokens=r.output_tokens,
         finish_reason=r.finish_reason,
     )
+
+
+def _arrange_all(
+    arrange: Callable[..., np.ndarray], items: tuple[ItemSpec, ...], features: list[np.ndarray]
+) -> list[np.ndarray]:
+    """Each item's cached per-tile rows laid out as its model reads them, by its geometry."""
+    return [
+        arrange(f, i.shape[0], i.tile_rows, i.tile_cols, i.source_width, i.source_height)
+        for f, i in zip(features, items, strict=True)
+    ]
 
 
 def _compress_all(

@@ -34,6 +34,8 @@ class ItemSpec:
     shape: tuple[int, ...]  # (n, 3, H, W) as the rule's kind lays it out (core.proto ItemSpec)
     frame: int = 0  # frame index within an animation or video
     frame_interval_s: float = 0.0  # native: seconds between its sampled frames; 0 = still image
+    source_width: int = 0  # the upright source image's width (anyres tiles need it); 0 = unknown
+    source_height: int = 0  # ... and height
 
     @property
     def is_video(self) -> bool:

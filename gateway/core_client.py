@@ -70,6 +70,8 @@ class ItemHeader:
     shape: tuple[int, ...]  # tensor shape
     frame: int = 0  # frame index within an animation or video
     frame_interval_s: float = 0.0  # native: seconds between its frames (a video); 0 = a still
+    source_width: int = 0  # the upright source image's size (anyres tiles count tokens by it)
+    source_height: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,8 @@ def _header(req: CoreRequest) -> core_pb2.InferHeader:
             shape=list(item.shape),
             frame=item.frame,
             frame_interval_s=item.frame_interval_s,
+            source_width=item.source_width,
+            source_height=item.source_height,
         )
     return header
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
+import math
 import time
 import warnings
 from collections.abc import Iterator
@@ -49,7 +50,8 @@ class Spec:
     """What one decode job must produce (crosses the pipe as JSON). The geometry follows the
     core's rule kind: `tiles` lays out a rows x cols grid of `size` tiles (plus a thumbnail);
     `fixed` squashes the whole image, then each of a rows x cols pan-and-scan crop grid, to
-    `size` square; `native` resizes to `width` x `height`."""
+    `size` square; `native` resizes to `width` x `height`; `anyres` (a tiles rule with pinpoints)
+    lays out LLaVA-OneVision's views (`_anyres`)."""
 
     fmt: str  # Pillow format name from the sniffer
     size: int  # tile or view side (tiles, fixed)
@@ -59,7 +61,7 @@ class Spec:
     frames: tuple[int, ...]  # frame indices to decode, one array each
     max_pixels: int  # per frame, rechecked here
     max_side: int  # per side, rechecked here
-    kind: str = "tiles"  # the rule's kind: "tiles", "fixed" or "native"
+    kind: str = "tiles"  # the layout: the rule's kind, or "anyres" (tiles with pinpoints)
     resample: str = "bicubic"  # the rule's filter (tiles are always bicubic)
     width: int = 0  # native: resized width
     height: int = 0  # native: resized height
@@ -329,6 +331,8 @@ def preprocess(rgb: Image.Image, spec: Spec) -> np.ndarray:
         return _stack(_tiles(rgb, spec))
     # As the model's processor resizes: the whole source, its filter, no reducing gap.
     f = FILTERS[spec.resample]
+    if spec.kind == "anyres":
+        return _stack(_anyres(rgb, spec, f))
     if spec.kind == "native":
         if min(spec.width, spec.height) < 1:
             raise VisorError(Reason.INVALID_REQUEST, "a native resize needs a size")
@@ -356,6 +360,31 @@ def _tiles(rgb: Image.Image, spec: Spec) -> list[Image.Image]:
     else:
         tiles.append(_letterbox(rgb, spec.size, spec.fill))
     return tiles
+
+
+def _anyres(rgb: Image.Image, spec: Spec, f: Image.Resampling) -> list[Image.Image]:
+    """LLaVA-OneVision's processor: one view is the image padded to a square with `fill`, then
+    resized; a grid is the whole image squashed to a tile, then the tiles (row by row) of its
+    canvas: the image resized to fit it (the long side exact, the other rounded up) and centred
+    on black."""
+    size, w, h = spec.size, rgb.width, rgb.height
+    if spec.rows * spec.cols == 1:
+        side = max(w, h)
+        square = Image.new("RGB", (side, side), spec.fill)
+        square.paste(rgb, ((side - w) // 2, (side - h) // 2))
+        return [square.resize((size, size), f)]
+    cw, ch = spec.cols * size, spec.rows * size
+    if cw / w < ch / h:
+        nw, nh = cw, min(math.ceil(h * (cw / w)), ch)
+    else:
+        nw, nh = min(math.ceil(w * (ch / h)), cw), ch
+    canvas = Image.new("RGB", (cw, ch), (0, 0, 0))
+    canvas.paste(rgb.resize((nw, nh), f), ((cw - nw) // 2, (ch - nh) // 2))
+    views = [rgb.resize((size, size), f)]
+    for r in range(spec.rows):
+        for c in range(spec.cols):
+            views.append(canvas.crop((c * size, r * size, (c + 1) * size, (r + 1) * size)))
+    return views
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
@@ -420,7 +449,7 @@ def warm() -> None:
     big = io.BytesIO()
     Image.new("RGB", (512, 512)).save(big, "JPEG")
     decode(big.getvalue(), Spec("JPEG", 16, (0, 0, 0), 1, 1, (0,), 1 << 20, 1 << 10))
-    for kind, resample in (("native", "bicubic"), ("fixed", "bilinear")):  # the other rules
+    for kind, resample in (("native", "bicubic"), ("fixed", "bilinear"), ("anyres", "bicubic")):
         spec = Spec("JPEG", 16, (0, 0, 0), 1, 2, (0,), 1 << 20, 1 << 10, kind, resample, 28, 56)
         decode(big.getvalue(), spec)
     if HAS_LCMS:  # an embedded profile: ImageCms and LittleCMS's transform code get loaded

@@ -66,6 +66,8 @@ class Plan:
     frames: tuple[int, ...]  # sampled frame indices
     stacked: bool = False  # all frames are one core item (native), else one item each
     interval_s: float = 0.0  # stacked: mean seconds between its frames (a video); 0 = a still
+    width: int = 0  # the upright source's width (an anyres core counts tokens by it)
+    height: int = 0  # ... and height
 
     @property
     def items(self) -> tuple[tuple[int, ...], ...]:
@@ -404,8 +406,11 @@ def plan_media(
         budget = tiling.Budget(
             rule.image_size, lim.max_tiles, rule.tokens_per_tile, max_visual_tokens
         )
-        grid = tiling.grid_for(detail, w, h, budget, question)
-    return Plan(index, grid, frames, rule.kind == "native", interval)
+        if rule.pinpoints:
+            grid = tiling.anyres_grid(detail, w, h, rule, budget, question)
+        else:
+            grid = tiling.grid_for(detail, w, h, budget, question)
+    return Plan(index, grid, frames, rule.kind == "native", interval, w, h)
 
 
 def _interval(starts_s: tuple[float, ...], frames: tuple[int, ...]) -> float:
@@ -423,7 +428,12 @@ def decode_spec(
     fill: tuple[int, int, int],
     lim: LimitsConfig,
 ) -> decode.Spec:
-    """The worker's job for `frames` of one media item planned under `rule`."""
+    """The worker's job for `frames` of one media item planned under `rule` (a tiles rule with
+    pinpoints is laid out as LLaVA-OneVision's processor does, padding with the mean truncated
+    to uint8 as it does)."""
+    if rule.pinpoints:
+        r, g, b = (int(m * 255) for m in rule.mean)
+        fill = (r, g, b)
     return decode.Spec(
         fmt,
         rule.image_size,
@@ -433,7 +443,7 @@ def decode_spec(
         frames,
         lim.max_pixels,
         lim.max_side,
-        rule.kind,
+        "anyres" if rule.pinpoints else rule.kind,
         rule.resample,
         grid.cols * rule.factor,
         grid.rows * rule.factor,
@@ -455,6 +465,8 @@ def _headers(
             rule.item_shape(p.grid.rows, p.grid.cols, len(frames)),
             frames[0],
             p.interval_s,
+            p.width,
+            p.height,
         )
         for p, frames in items
     )

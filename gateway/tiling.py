@@ -24,7 +24,7 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.preprocess import PreprocessRule, smart_resize
+from shared.preprocess import PreprocessRule, best_pinpoint, smart_resize
 
 DETAILS = ("low", "auto", "high")
 
@@ -163,6 +163,28 @@ def grid_for(detail: str, width: int, height: int, budget: Budget, question: str
     tiles = budget.most_tiles()
     tiles = min(tiles, AUTO_TILES[level(detail, question)] or tiles)
     return fit_grid(width, height, budget.size, tiles)
+
+
+def anyres_grid(
+    detail: str, width: int, height: int, rule: PreprocessRule, budget: Budget, question: str = ""
+) -> Grid:
+    """A tiles rule with pinpoints (LLaVA-OneVision): the processor's best canvas among those
+    the level allows (`AUTO_TILES`, the tiles' bound, `max_visual_tokens` counted as the model
+    counts them); one view (1 x 1: the image padded to a square) when the best is one tile or
+    nothing larger fits."""
+    tiles = budget.most_tiles()
+    tiles = min(tiles, AUTO_TILES[level(detail, question)] or tiles)
+    size, cap = rule.image_size, budget.max_visual_tokens
+    allowed = tuple(
+        (h, w)
+        for h, w in rule.canvases
+        if (h // size) * (w // size) < tiles
+        and (cap <= 0 or rule.anyres_tokens(h // size, w // size, width, height) <= cap)
+    )
+    if not allowed:
+        return ONE
+    h, w = best_pinpoint(width, height, allowed)
+    return Grid(h // size, w // size) if h * w > size * size else ONE
 
 
 def native_budget(

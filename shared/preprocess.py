@@ -3,7 +3,11 @@ applied by the gateway's sandboxed workers, model-agnostic on both sides.
 
 Three kinds cover the families the core serves:
 - `tiles` (LLaVA-NeXT): square tiles of `image_size` in a grid chosen from `detail`, plus a global
-  thumbnail; `tokens_per_tile` per tile.
+  thumbnail; `tokens_per_tile` per tile. With `pinpoints` (LLaVA-OneVision's anyres): a grid is
+  one of those canvases, cut from the image fitted into it (padded black), after the whole image
+  squashed to a tile; one view is the image padded to a square (the mean colour) then resized; the
+  model unpads the grid's tokens to the image's aspect and closes each row with a newline token,
+  so an item's tokens follow from its grid and its source size (`anyres_tokens`).
 - `native` (Qwen2/2.5/3-VL): each side rounded to a multiple of `patch_size * merge_size`, then
   scaled into [`min_pixels`, `max_pixels`]; frames grouped by `temporal_patch_size`.
 - `fixed` (Gemma 3): every view squashed to `image_size` square, `tokens_per_image` each; with pan
@@ -46,6 +50,8 @@ class PreprocessRule:
     min_crop_size: int = 0  # fixed: a crop's least side in source pixels
     max_num_crops: int = 0  # fixed: crops per image at most
     min_ratio_to_activate: float = 0.0  # fixed: aspect ratio from which crops are made
+    pinpoints: tuple[int, ...] = ()  # tiles: anyres canvases, (height, width) pairs flattened
+    anyres_max: int = 0  # tiles with pinpoints: grid tokens past this many tiles' are downscaled
 
     def validate(self) -> None:
         """Raises ValueError naming the field that makes the rule unusable."""
@@ -55,6 +61,18 @@ class PreprocessRule:
             raise ValueError("preprocess rule mean and std need 3 channels, std > 0")
         if self.kind == "tiles" and min(self.image_size, self.tokens_per_tile) < 1:
             raise ValueError("tiles rule needs image_size and tokens_per_tile >= 1")
+        if self.pinpoints and (
+            self.kind != "tiles"
+            or len(self.pinpoints) % 2
+            or any(v < 1 or v % max(1, self.image_size) for v in self.pinpoints)
+            or math.isqrt(self.tokens_per_tile) ** 2 != self.tokens_per_tile
+        ):
+            raise ValueError(
+                "pinpoints are (height, width) pairs of whole tiles, of a tiles rule whose "
+                "tokens_per_tile is a square"
+            )
+        if self.anyres_max < 0:
+            raise ValueError("anyres_max must be >= 0")
         if self.kind == "fixed" and min(self.image_size, self.tokens_per_image) < 1:
             raise ValueError("fixed rule needs image_size and tokens_per_image >= 1")
         if (
@@ -81,9 +99,20 @@ class PreprocessRule:
         """What an item's `resolution` states: the tile or view side, or native's token side."""
         return self.factor if self.kind == "native" else self.image_size
 
+    @property
+    def canvases(self) -> tuple[tuple[int, int], ...]:
+        """Tiles with pinpoints: the (height, width) canvases a grid may take."""
+        pairs = self.pinpoints
+        return tuple((pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2))
+
     def digest(self) -> str:
-        """Hex SHA-256 of a canonical encoding: every field, sorted, floats as repr."""
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+        """Hex SHA-256 of a canonical encoding: every field, sorted, floats as repr; the anyres
+        fields only when set, so the rules that predate them keep their digests."""
+        fields = asdict(self)
+        for name in ("pinpoints", "anyres_max"):
+            if not fields[name]:
+                del fields[name]
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
     def version(self) -> str:
         """The preprocessing version items made under this rule carry (and cache keys with it)."""
@@ -139,14 +168,27 @@ class PreprocessRule:
             )
 
     def visual_tokens(self, shape: tuple[int, ...]) -> int:
-        """Visual tokens one item of this (checked) shape yields before any compression."""
+        """Visual tokens one item of this (checked) shape yields before any compression (a
+        rule with pinpoints: `anyres_tokens`, which needs the item's source size)."""
         n, _, h, w = shape
+        if self.pinpoints:
+            raise ValueError("an anyres item's tokens depend on its source size: anyres_tokens")
         if self.kind == "tiles":
             return self.tokens_per_tile * n
         if self.kind == "fixed":
             return self.tokens_per_image * n
         per_frame = (h // self.patch_size) * (w // self.patch_size) // self.merge_size**2
         return per_frame * -(-n // self.temporal_patch_size)
+
+    def anyres_tokens(self, rows: int, cols: int, width: int, height: int) -> int:
+        """Tiles with pinpoints: the visual tokens of an item of a rows x cols grid (1 x 1: one
+        view) for a `width` x `height` source: the view's tokens and a newline, or the whole
+        image's tile and the unpadded, perhaps downscaled grid with a newline per row."""
+        if rows * cols == 1:
+            return self.tokens_per_tile + 1
+        side = math.isqrt(self.tokens_per_tile)
+        _, (h, w) = anyres_grid_size(rows, cols, side, width, height, self.anyres_max)
+        return self.tokens_per_tile + h * (w + 1)
 
     def grid(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
         """An item's (t, h, w) in merged-token units, for the model's rope positions: native
@@ -220,3 +262,37 @@ def tiles(
 ) -> PreprocessRule:
     """LLaVA-NeXT's tile grid (the letterbox and tile resize are bicubic)."""
     return PreprocessRule("tiles", tuple(mean), tuple(std), "bicubic", image_size, tokens_per_tile)
+
+
+def best_pinpoint(
+    width: int, height: int, pinpoints: tuple[tuple[int, int], ...]
+) -> tuple[int, int]:
+    """LLaVA-NeXT's `select_best_resolution`: the (height, width) canvas that keeps the most of
+    the image's pixels once fitted, then wastes the least; the first such in order."""
+    best, best_key = pinpoints[0], (-1, 0)
+    for ph, pw in pinpoints:
+        scale = min(pw / width, ph / height)
+        kept = min(int(width * scale) * int(height * scale), width * height)
+        key = (kept, -(pw * ph - kept))
+        if key > best_key:
+            best, best_key = (ph, pw), key
+    return best
+
+
+def anyres_grid_size(
+    rows: int, cols: int, side: int, width: int, height: int, anyres_max: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A rows x cols grid of `side` x `side` token tiles, for a `width` x `height` image:
+    ((h, w) of the token map unpadded to the image's aspect, (h, w) after the downscale that
+    keeps it near `anyres_max` tiles' worth; 0: never). As LLaVA-OneVision computes them."""
+    cur_h, cur_w = rows * side, cols * side
+    if width / height > cur_w / cur_h:
+        new = int(round(height * (cur_w / width), 7))
+        cur_h -= (cur_h - new) // 2 * 2
+    else:
+        new = int(round(width * (cur_h / height), 7))
+        cur_w -= (cur_w - new) // 2 * 2
+    ratio = math.sqrt(cur_h * cur_w / (anyres_max * side**2)) if anyres_max else 0.0
+    if ratio > 1.1:
+        return (cur_h, cur_w), (int(cur_h // ratio), int(cur_w // ratio))
+    return (cur_h, cur_w), (cur_h, cur_w)

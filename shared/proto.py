@@ -45,6 +45,7 @@ def rule_to_proto(rule: PreprocessRule) -> core_pb2.PreprocessRule:
 def rule_from_proto(msg: core_pb2.PreprocessRule) -> PreprocessRule:
     """The rule a core declared, validated (ValueError names what is wrong)."""
     values = {f.name: getattr(msg, f.name) for f in fields(PreprocessRule)}
-    rule = PreprocessRule(**{**values, "mean": tuple(msg.mean), "std": tuple(msg.std)})
+    seqs = {name: tuple(getattr(msg, name)) for name in ("mean", "std", "pinpoints")}
+    rule = PreprocessRule(**{**values, **seqs})
     rule.validate()
     return rule

@@ -31,6 +31,18 @@ def read_json(path: Path, required: bool = False) -> dict[str, Any]:
     return data
 
 
+def processor_config(model_dir: Path) -> tuple[str, dict[str, Any]]:
+    """(file name, the image processor's settings) in either layout; {} when there is neither."""
+    nested = model_dir / "processor_config.json"
+    if nested.exists():
+        raw = read_json(nested)
+        inner = raw.get("image_processor")
+        if isinstance(inner, dict):
+            return f"{nested.name} image_processor", inner
+    flat = model_dir / "preprocessor_config.json"
+    return flat.name, read_json(flat)
+
+
 @dataclass(frozen=True, slots=True)
 class VisionConfig:
     kind: str  # "clip" (class token, pre-norm) or "siglip" (no class token)

@@ -16,7 +16,7 @@ from typing import Any, Protocol, cast, runtime_checkable
 import torch
 from torch import nn
 
-from core.model import gemma3, llava, qwen2_5_vl, qwen3_vl
+from core.model import gemma3, llava, llava_onevision, qwen2_5_vl, qwen3_vl
 from core.model.config import ModelConfigError, TextConfig
 
 # The paged engine's linear (batch-invariant aware) and attention, as a layer receives them.
@@ -127,7 +127,7 @@ def sliding_windows(model: VisionLanguageModel) -> set[int | None]:
     return {layer.sliding_window for layer in paged_layers(model)}
 
 
-FAMILIES: tuple[ModuleType, ...] = (llava, qwen2_5_vl, qwen3_vl, gemma3)
+FAMILIES: tuple[ModuleType, ...] = (llava, qwen2_5_vl, qwen3_vl, gemma3, llava_onevision)
 REGISTRY: dict[str, ModuleType] = {t: family for family in FAMILIES for t in family.MODEL_TYPES}
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from core.model import config as llava_config
-from core.model.config import ModelConfigError, read_json
+from core.model import llava_onevision
+from core.model.config import ModelConfigError, processor_config, read_json
 from shared.preprocess import PreprocessRule, tiles
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -21,6 +22,7 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 HALF = (0.5, 0.5, 0.5)
 RESAMPLE = {2: "bilinear", 3: "bicubic"}  # PIL's filter numbers
 LLAVA_TYPES = ("llava", "llava_next")
+ANYRES_TYPES = llava_onevision.MODEL_TYPES
 # Qwen's image processors: (patch_size, merge_size, temporal_patch_size, min_pixels, max_pixels,
 # mean, std), the defaults of Qwen2VLImageProcessor (Qwen2-VL, 2.5-VL) and Qwen3-VL's.
 NATIVE_DEFAULTS: dict[str, tuple[int, int, int, int, int, tuple[float, ...], tuple[float, ...]]] = {
@@ -38,7 +40,9 @@ def rule_for(model_dir: Path, model_type: str) -> PreprocessRule:
         cfg = llava_config.load(model_dir)
         return tiles(cfg.vision.image_size, cfg.tokens_per_tile, cfg.image_mean, cfg.image_std)
     where, proc = processor_config(model_dir)
-    if model_type in NATIVE_DEFAULTS:
+    if model_type in ANYRES_TYPES:
+        rule = _anyres(model_dir, proc, where)
+    elif model_type in NATIVE_DEFAULTS:
         rule = _native(proc, NATIVE_DEFAULTS[model_type], where)
     elif model_type in FIXED_TYPES:
         rule = _fixed(proc, _mm_tokens(model_dir), where)
@@ -49,18 +53,6 @@ def rule_for(model_dir: Path, model_type: str) -> PreprocessRule:
     except ValueError as exc:
         raise ModelConfigError(f"{where}: {exc}") from None
     return rule
-
-
-def processor_config(model_dir: Path) -> tuple[str, dict[str, Any]]:
-    """(file name, the image processor's settings) in either layout; {} when there is neither."""
-    nested = model_dir / "processor_config.json"
-    if nested.exists():
-        raw = read_json(nested)
-        inner = raw.get("image_processor")
-        if isinstance(inner, dict):
-            return f"{nested.name} image_processor", inner
-    flat = model_dir / "preprocessor_config.json"
-    return flat.name, read_json(flat)
 
 
 def _common(proc: dict[str, Any], default_resample: int, where: str) -> str:
@@ -141,6 +133,31 @@ def _fixed(proc: dict[str, Any], tokens: int, where: str) -> PreprocessRule:
         min_ratio_to_activate=float(proc.get("pan_and_scan_min_ratio_to_activate") or 1.2)
         if pan
         else 0.0,
+    )
+
+
+def _anyres(model_dir: Path, proc: dict[str, Any], where: str) -> PreprocessRule:
+    """LLaVA-OneVision: tiles of the tower's side, the grid among the model's pinpoints (the
+    processor's, where it states them, must be the same), its anyres_max, the processor's
+    filter; mean and std as the model normalises."""
+    cfg, pinpoints, anyres_max = llava_onevision.load_config(model_dir)
+    size = cfg.vision.image_size
+    stated = proc.get("size") or {"height": size, "width": size}
+    if not isinstance(stated, dict) or stated.get("height", stated.get("shortest_edge")) != size:
+        raise ModelConfigError(f"{where}: size = {stated!r} (the tower's {size} square only)")
+    if proc.get("image_grid_pinpoints", [list(p) for p in pinpoints]) != [
+        list(p) for p in pinpoints
+    ]:
+        raise ModelConfigError(f"{where}: image_grid_pinpoints differ from config.json's")
+    return PreprocessRule(
+        kind="tiles",
+        mean=cfg.image_mean,
+        std=cfg.image_std,
+        resample=_common(proc, 3, where),
+        image_size=size,
+        tokens_per_tile=cfg.tokens_per_tile,
+        pinpoints=tuple(v for pair in pinpoints for v in pair),
+        anyres_max=anyres_max,
     )
 
 

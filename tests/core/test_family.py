@@ -41,7 +41,8 @@ def test_llava_checkpoints_load_as_llava(demo_dir: Path) -> None:
     [
         (
             '{"model_type": "qwen9_vl"}',
-            "model_type 'qwen9_vl' is not served; supported: gemma3, llava, qwen2_5_vl, qwen3_vl",
+            "model_type 'qwen9_vl' is not served; "
+            "supported: gemma3, llava, llava_onevision, qwen2_5_vl, qwen3_vl",
         ),
         ('{"model_type": "llava", ', "not JSON"),
         ("[1, 2]", "model_type None is not served"),

@@ -131,3 +131,37 @@ def test_fixed_items_count_views_and_bound_crops(engine: Engine) -> None:
     assert counts == (256, 1024)
     assert "max_num_crops" in _refused(inputs, _item(FIXED, 1, 5, (6, 3, 896, 896)))
     assert "geometry" in _refused(inputs, _item(FIXED, 1, 1, (1, 3, 896, 672)))
+
+
+ANYRES = PreprocessRule(
+    "tiles", (0.5,) * 3, (0.5,) * 3, "bicubic", image_size=384, tokens_per_tile=729,
+    pinpoints=(384, 384, 384, 768, 768, 384, 768, 768, 768, 1152), anyres_max=9,
+)  # fmt: skip
+
+
+def test_anyres_items_count_the_unpadded_grid_and_its_newlines(engine: Engine) -> None:
+    """LLaVA-OneVision: one view is its tile and a newline; a 777 x 555 image on a 2 x 3 grid
+    (54 x 81 tokens) unpads to 54 x 75 (its aspect), a newline closing each row, after the
+    whole image's tile; a square image on 2 x 2 keeps all 54 x 54 (under 9 tiles' worth, no
+    downscale: tests/core/test_llava_onevision.py covers it)."""
+    inputs = _inputs(engine, ANYRES)
+    one = dataclasses.replace(_item(ANYRES, 1, 1, (1, 3, 384, 384)), source_width=90)
+    one = dataclasses.replace(one, source_height=60)
+    grid = _item(ANYRES, 2, 3, (7, 3, 384, 384))
+    grid = dataclasses.replace(grid, source_width=777, source_height=555)
+    square = _item(ANYRES, 2, 2, (5, 3, 384, 384))
+    square = dataclasses.replace(square, source_width=700, source_height=700)
+    _, counts, slots = inputs.check(_req(one, grid, square))
+    assert counts == (730, 729 + 54 * 76, 729 + 54 * 55) and slots == (1, 1, 1)
+
+
+def test_anyres_items_are_refused_without_their_geometry_or_with_a_profile(engine: Engine) -> None:
+    inputs = _inputs(engine, ANYRES)
+    grid = _item(ANYRES, 2, 3, (7, 3, 384, 384))
+    assert "source size" in _refused(inputs, grid)  # 0 x 0: a gateway that did not say
+    sized = dataclasses.replace(grid, source_width=777, source_height=555)
+    off_grid = dataclasses.replace(_item(ANYRES, 1, 3, (4, 3, 384, 384)), source_width=900)
+    assert "pinpoints" in _refused(inputs, dataclasses.replace(off_grid, source_height=300))
+    with pytest.raises(VisorError) as err:
+        inputs.check(dataclasses.replace(_req(sized), profile="balanced"))
+    assert err.value.reason == Reason.INVALID_REQUEST and "profile" in err.value.message

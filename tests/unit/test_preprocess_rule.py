@@ -6,6 +6,7 @@ in both layouts (malformed settings are refused with the file and key named)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -32,7 +33,11 @@ FIXED = PreprocessRule(
     "fixed", HALF, HALF, "bilinear", image_size=896, tokens_per_image=256, pan_and_scan=True,
     min_crop_size=256, max_num_crops=4, min_ratio_to_activate=1.2,
 )  # fmt: skip
-RULES = {"tiles": TILES, "native": NATIVE, "fixed": FIXED}
+ANYRES = PreprocessRule(
+    "tiles", HALF, HALF, "bicubic", image_size=384, tokens_per_tile=729,
+    pinpoints=(384, 384, 384, 768, 768, 384, 768, 768), anyres_max=9,
+)  # fmt: skip
+RULES = {"tiles": TILES, "native": NATIVE, "fixed": FIXED, "anyres": ANYRES}
 
 
 @pytest.mark.parametrize("name", list(RULES))
@@ -54,12 +59,12 @@ def test_every_field_moves_the_digest() -> None:
         elif isinstance(value, int | float):
             changed = value + 1
         elif isinstance(value, tuple):
-            changed = (value[0] + 0.01, *value[1:])
+            changed = (value[0] + 0.01, *value[1:]) if value else (384, 768)
         else:
             changed = "native" if value != "native" else "tiles"
         digests.add(dataclasses.replace(FIXED, **{f.name: changed}).digest())
     assert len(digests) == len(dataclasses.fields(PreprocessRule)) + 1
-    assert len({r.digest() for r in RULES.values()}) == 3
+    assert len({r.digest() for r in RULES.values()}) == len(RULES)
 
 
 def test_an_unusable_rule_from_a_core_is_refused() -> None:
@@ -68,6 +73,10 @@ def test_an_unusable_rule_from_a_core_is_refused() -> None:
         dataclasses.replace(TILES, kind="spiral"),
         dataclasses.replace(FIXED, resample="lanczos"),
         dataclasses.replace(FIXED, std=(0.5, 0.0, 0.5)),
+        dataclasses.replace(ANYRES, pinpoints=(384, 500)),  # not whole tiles
+        dataclasses.replace(ANYRES, pinpoints=(384,)),  # not pairs
+        dataclasses.replace(ANYRES, tokens_per_tile=730),  # no square of tokens to unpad
+        dataclasses.replace(NATIVE, pinpoints=(14, 14)),  # only a tiles rule has canvases
     ):
         with pytest.raises(ValueError):
             rule_from_proto(rule_to_proto(bad))
@@ -228,3 +237,12 @@ def test_a_gateway_reads_a_core_that_predates_the_rule_as_tiles() -> None:
     new.rule.merge_size = 0
     with pytest.raises(CoreUnreachable):
         geometry_from_proto(new)
+
+
+def test_rules_without_pinpoints_keep_their_digests() -> None:
+    """The anyres fields enter a digest only when set: cached features stay valid."""
+    for rule in (TILES, NATIVE, FIXED):
+        fields = dataclasses.asdict(rule)
+        old = {k: v for k, v in fields.items() if k not in ("pinpoints", "anyres_max")}
+        encoded = json.dumps(old, sort_keys=True).encode()
+        assert rule.digest() == hashlib.sha256(encoded).hexdigest()
