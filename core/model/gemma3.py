@@ -17,7 +17,7 @@ from torch import nn
 
 from core.model import gemma3_config
 from core.model.gemma3_config import MODEL_TYPES, Gemma3Config, GemmaTextConfig, Rope
-from core.model.layers import activation, embed_with_images
+from core.model.layers import activation, embed_with_images, register_pixel_affine
 from core.model.llava import canonical_name
 from core.model.text import _rotate
 from core.model.vision import VisionTower
@@ -246,11 +246,7 @@ class Gemma3(nn.Module):
 
     def reset_buffers(self) -> None:
         """(Re)builds the derived, non-persistent buffers; needed after loading on `meta`."""
-        mean = torch.tensor(self.cfg.image_mean).view(1, 3, 1, 1)
-        std = torch.tensor(self.cfg.image_std).view(1, 3, 1, 1)
-        # uint8 -> normalised float in one affine step, fused ahead of the patch embedding.
-        self.register_buffer("pixel_scale", 1.0 / (255.0 * std), persistent=False)
-        self.register_buffer("pixel_shift", -mean / std, persistent=False)
+        register_pixel_affine(self, self.cfg.image_mean, self.cfg.image_std)
         self.language_model.local_rotary.reset_buffers()
         self.language_model.global_rotary.reset_buffers()
 

@@ -10,6 +10,17 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def register_pixel_affine(
+    module: nn.Module, mean: tuple[float, ...], std: tuple[float, ...]
+) -> None:
+    """Registers `pixel_scale` and `pixel_shift` on `module` (float32, non-persistent): uint8
+    pixels -> (x / 255 - mean) / std in one affine step, fused ahead of the patch embedding."""
+    m = torch.tensor(mean).view(1, 3, 1, 1)
+    s = torch.tensor(std).view(1, 3, 1, 1)
+    module.register_buffer("pixel_scale", 1.0 / (255.0 * s), persistent=False)
+    module.register_buffer("pixel_shift", -m / s, persistent=False)
+
+
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name == "quick_gelu":
         return lambda x: x * torch.sigmoid(1.702 * x)

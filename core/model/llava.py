@@ -10,7 +10,7 @@ from torch import nn
 
 from core.model import config as model_config
 from core.model.config import LlavaConfig
-from core.model.layers import activation, embed_with_images
+from core.model.layers import activation, embed_with_images, register_pixel_affine
 from core.model.text import Decoder, KVCache
 from core.model.vision import VisionTower
 from core.model.weights import FUSED, encoder_digest, fuse, read_state
@@ -76,11 +76,7 @@ class Llava(nn.Module):
 
     def reset_buffers(self) -> None:
         """(Re)builds the derived, non-persistent buffers; needed after loading on `meta`."""
-        mean = torch.tensor(self.cfg.image_mean).view(1, 3, 1, 1)
-        std = torch.tensor(self.cfg.image_std).view(1, 3, 1, 1)
-        # uint8 -> normalised float in one affine step, fused ahead of the patch embedding.
-        self.register_buffer("pixel_scale", 1.0 / (255.0 * std), persistent=False)
-        self.register_buffer("pixel_shift", -mean / std, persistent=False)
+        register_pixel_affine(self, self.cfg.image_mean, self.cfg.image_std)
         self.language_model.rotary.reset_buffers()
 
     def normalize(self, pixels_u8: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from core.model.config import ModelConfigError, TextConfig, read_json
+from core.model.layers import register_pixel_affine
 from core.model.qwen2_5_vl_vision import Grid, QwenVisionConfig, QwenVisionTransformer, patchify
 from core.model.text import DecoderLayer, RMSNorm
 from core.model.weights import check_state, encoder_digest, fuse, read_state
@@ -289,11 +290,7 @@ class QwenVL(nn.Module):
 
     def reset_buffers(self) -> None:
         """(Re)builds the derived, non-persistent buffers; needed after loading on `meta`."""
-        pre = self.cfg.preprocess
-        mean = torch.tensor(pre.image_mean).view(1, 3, 1, 1)
-        std = torch.tensor(pre.image_std).view(1, 3, 1, 1)
-        self.register_buffer("pixel_scale", 1.0 / (255.0 * std), persistent=False)
-        self.register_buffer("pixel_shift", -mean / std, persistent=False)
+        register_pixel_affine(self, self.cfg.preprocess.image_mean, self.cfg.preprocess.image_std)
         dim = self.cfg.text.head_dim
         steps = torch.arange(0, dim, 2, dtype=torch.float32) / dim
         self.register_buffer("inv_freq", 1.0 / (self.cfg.text.rope_theta**steps), persistent=False)

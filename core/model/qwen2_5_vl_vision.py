@@ -10,6 +10,7 @@ patches receive in the last full-attention block.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -195,12 +196,17 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: QwenVisionConfig) -> None:
+    """A pre-norm ViT block: Qwen2.5-VL's norms are RMSNorm and its MLP gated; Qwen3-VL's are
+    LayerNorm and a plain two-layer MLP."""
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, norm: Callable[[], nn.Module], mlp: nn.Module
+    ) -> None:
         super().__init__()
-        self.norm1 = RMSNorm(cfg.hidden_size, 1e-6)
-        self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
-        self.norm2 = RMSNorm(cfg.hidden_size, 1e-6)
-        self.mlp = VisionMLP(cfg)
+        self.norm1 = norm()
+        self.attn = VisionAttention(hidden_size, num_heads)
+        self.norm2 = norm()
+        self.mlp = mlp
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], sizes: list[int]
@@ -210,14 +216,15 @@ class VisionBlock(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, cfg: QwenVisionConfig) -> None:
+    def __init__(self, cfg: PatchGeometry, hidden_size: int, bias: bool) -> None:
         super().__init__()
         kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(3, cfg.hidden_size, kernel, kernel, bias=False)
+        self.proj = nn.Conv3d(3, hidden_size, kernel, kernel, bias=bias)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         # A stride-equals-kernel convolution over one patch per row is one GEMM.
-        return F.linear(patches.to(self.proj.weight.dtype), self.proj.weight.flatten(1))
+        weight = self.proj.weight
+        return F.linear(patches.to(weight.dtype), weight.flatten(1), self.proj.bias)
 
 
 class PatchMerger(nn.Module):
@@ -242,8 +249,16 @@ class QwenVisionTransformer(nn.Module):
     def __init__(self, cfg: QwenVisionConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.patch_embed = PatchEmbed(cfg)
-        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.patch_embed = PatchEmbed(cfg, cfg.hidden_size, bias=False)
+        self.blocks = nn.ModuleList(
+            VisionBlock(
+                cfg.hidden_size,
+                cfg.num_heads,
+                lambda: RMSNorm(cfg.hidden_size, 1e-6),
+                VisionMLP(cfg),
+            )
+            for _ in range(cfg.depth)
+        )
         self.merger = PatchMerger(cfg)
         self.reset_buffers()
 

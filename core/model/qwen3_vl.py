@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from core.model.config import ModelConfigError, TextConfig, read_json
-from core.model.layers import activation
+from core.model.layers import activation, register_pixel_affine
 from core.model.qwen2_5_vl import (
     QwenDecoderLayer,
     QwenPreprocess,
@@ -219,10 +219,7 @@ class Qwen3VL(nn.Module):
     def reset_buffers(self) -> None:
         """(Re)builds the derived, non-persistent buffers; needed after loading on `meta`."""
         pre, text = self.cfg.preprocess, self.cfg.text
-        mean = torch.tensor(pre.image_mean).view(1, 3, 1, 1)
-        std = torch.tensor(pre.image_std).view(1, 3, 1, 1)
-        self.register_buffer("pixel_scale", 1.0 / (255.0 * std), persistent=False)
-        self.register_buffer("pixel_shift", -mean / std, persistent=False)
+        register_pixel_affine(self, pre.image_mean, pre.image_std)
         steps = torch.arange(0, text.head_dim, 2, dtype=torch.float32) / text.head_dim
         self.register_buffer("inv_freq", 1.0 / (text.rope_theta**steps), persistent=False)
         axis = interleaved_axes(self.cfg.mrope_section, text.head_dim // 2)

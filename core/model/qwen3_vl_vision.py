@@ -20,7 +20,8 @@ from torch import nn
 from core.model.layers import activation
 from core.model.qwen2_5_vl_vision import (
     Grid,
-    VisionAttention,
+    PatchEmbed,
+    VisionBlock,
     axial_inv_freq,
     axial_rope,
     patch_positions,
@@ -63,33 +64,6 @@ class VisionMLP(nn.Module):
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
-class VisionBlock(nn.Module):
-    def __init__(self, cfg: Qwen3VisionConfig) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
-        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.mlp = VisionMLP(cfg)
-
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], sizes: list[int]
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, sizes)
-        return x + self.mlp(self.norm2(x))
-
-
-class PatchEmbed(nn.Module):
-    def __init__(self, cfg: Qwen3VisionConfig) -> None:
-        super().__init__()
-        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(3, cfg.hidden_size, kernel, kernel, bias=True)
-
-    def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        # A stride-equals-kernel convolution over one patch per row is one GEMM.
-        weight = self.proj.weight
-        return F.linear(patches.to(weight.dtype), weight.flatten(1), self.proj.bias)
-
-
 class PatchMerger(nn.Module):
     """2x2 patches -> one decoder token. The main merger normalises each patch before the
     merge; the deepstack mergers (`after_merge`) normalise the merged row."""
@@ -115,9 +89,17 @@ class Qwen3VisionTransformer(nn.Module):
     def __init__(self, cfg: Qwen3VisionConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.patch_embed = PatchEmbed(cfg)
+        self.patch_embed = PatchEmbed(cfg, cfg.hidden_size, bias=True)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
-        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.blocks = nn.ModuleList(
+            VisionBlock(
+                cfg.hidden_size,
+                cfg.num_heads,
+                lambda: nn.LayerNorm(cfg.hidden_size, eps=1e-6),
+                VisionMLP(cfg),
+            )
+            for _ in range(cfg.depth)
+        )
         self.merger = PatchMerger(cfg, after_merge=False)
         self.deepstack_merger_list = nn.ModuleList(
             PatchMerger(cfg, after_merge=True) for _ in cfg.deepstack_visual_indexes
