@@ -68,7 +68,12 @@ class Answer:
     final: gateway_pb2.Final
 
 
-def _ask(stack: Stack, media: list[bytes], profile: str = "") -> Answer:
+def _ask(
+    stack: Stack,
+    media: list[bytes],
+    profile: str = "",
+    detail: int = gateway_pb2.DETAIL_HIGH,  # the processor's own sizes (`auto` would read PROMPT)
+) -> Answer:
     req = gateway_pb2.GenerateRequest(
         prompt=PROMPT,
         media=[gateway_pb2.Media(data=m) for m in media],
@@ -76,7 +81,7 @@ def _ask(stack: Stack, media: list[bytes], profile: str = "") -> Answer:
             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, logprobs=True
         ),
         profile=profile,
-        detail=gateway_pb2.DETAIL_HIGH,  # the processor's own sizes (`auto` would read PROMPT)
+        detail=detail,
     )
     logprobs: list[float] = []
     final = None

@@ -21,14 +21,11 @@ import pytest
 import torch
 from PIL import Image
 
-from shared.proto import gateway_pb2, gateway_pb2_grpc
+from shared.proto import gateway_pb2
 from tests.conftest import Stack, start_stack, stop_stack
-from tests.helpers import DEV_KEY
 from tests.integration.test_families_e2e import (
-    NEW_TOKENS,
-    PROMPT,
-    Answer,
     Reference,
+    _ask,
     _check,
     _generate,
     _messages,
@@ -54,30 +51,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     stack = start_stack(ck.t5, root / "logs", VISOR_LIMITS_MAX_TILES="9")
     yield Served(stack, ck)
     stop_stack(stack)
-
-
-def _ask(stack: Stack, media: list[bytes], detail: int, profile: str = "") -> Answer:
-    req = gateway_pb2.GenerateRequest(
-        prompt=PROMPT,
-        media=[gateway_pb2.Media(data=m) for m in media],
-        params=gateway_pb2.GenerationParams(
-            max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, logprobs=True
-        ),
-        profile=profile,
-        detail=detail,
-    )
-    logprobs: list[float] = []
-    final = None
-    with grpc.insecure_channel(stack.gateway) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
-        events = stub.Generate(req, metadata=[("authorization", f"Bearer {DEV_KEY}")], timeout=60)
-        for event in events:
-            if event.WhichOneof("kind") == "delta":
-                logprobs += [lp.logprob for lp in event.delta.logprobs]
-            else:
-                final = event.final
-    assert final is not None
-    return Answer(final.text, logprobs, final)
 
 
 def _reference(ck: OnevisionCheckpoint, media: list[bytes]) -> Reference:
@@ -107,22 +80,22 @@ TALL = _picture(60, 130, 2, "JPEG")  # a 3 x 1 grid
 
 @pytest.mark.parametrize("picture", [WIDE, TALL], ids=["wide", "tall"])
 def test_lone_image_at_high_detail_matches_transformers(served: Served, picture: bytes) -> None:
-    answer = _ask(served.stack, [picture], gateway_pb2.DETAIL_HIGH)
+    answer = _ask(served.stack, [picture])
     assert answer.final.usage.visual_tokens_after > 2 * 16  # a grid, not one view
     _check(answer, _reference(served.ck, [picture]), "onevision one image")
 
 
 def test_images_at_low_detail_match_transformers_several_images(served: Served) -> None:
     media = [WIDE, TALL]
-    answer = _ask(served.stack, media, gateway_pb2.DETAIL_LOW)
+    answer = _ask(served.stack, media, detail=gateway_pb2.DETAIL_LOW)
     assert answer.final.usage.visual_tokens_after == 2 * (16 + 1)  # a view and a newline each
     _check(answer, _reference(served.ck, media), "onevision two images")
 
 
 def test_a_repeat_is_served_from_the_cache(served: Served) -> None:
     picture = _picture(120, 90, 3, "PNG")
-    first = _ask(served.stack, [picture], gateway_pb2.DETAIL_HIGH).final
-    again = _ask(served.stack, [picture], gateway_pb2.DETAIL_HIGH).final
+    first = _ask(served.stack, [picture]).final
+    again = _ask(served.stack, [picture]).final
     assert not first.cache[0].hit and again.cache[0].hit
     assert "encode" in first.timings_ms and "encode" not in again.timings_ms
     assert "arrange" in again.timings_ms and again.text == first.text
@@ -130,6 +103,6 @@ def test_a_repeat_is_served_from_the_cache(served: Served) -> None:
 
 def test_a_compression_profile_is_refused(served: Served) -> None:
     with pytest.raises(grpc.RpcError) as err:
-        _ask(served.stack, [WIDE], gateway_pb2.DETAIL_HIGH, "balanced")
+        _ask(served.stack, [WIDE], "balanced")
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "profile" in (err.value.details() or "")
