@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import multiprocessing
 import os
 import random
 import signal
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ from shared.proto import gateway_pb2, gateway_pb2_grpc
 from shared.status import from_rpc_error
 
 QUIET_KEY, NOISY_KEY = "soak-quiet-key", "soak-noisy-key"
+NOISY_CLIENT_NICE = 10  # the noisy load generator runs below the services it loads
 # Details of refusals that came without ErrorInfo (each one a defect to explain).
 WITHOUT_ERROR_INFO: list[str] = []
 
@@ -156,49 +159,48 @@ def _reason(exc: grpc.RpcError) -> str:
     return from_rpc_error(exc).reason.value
 
 
-async def _quiet(soak: Soak, stop_at: float, phase: str) -> None:
+async def _quiet(gateway: str, interval_s: float, phases: list[tuple[str, float]]) -> list[Record]:
+    """The quiet tenant: one request every `interval_s`, each labelled with the phase (name,
+    monotonic end) it started in; returns once every request has ended."""
     questions = soak_media.questions()
-    tasks = []
-    async with grpc.aio.insecure_channel(soak.gateway) as channel:
+    records, tasks = [], []
+    async with grpc.aio.insecure_channel(gateway) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)  # type: ignore[no-untyped-call]
         i = 0
-        while time.monotonic() < stop_at:
-            image, question = questions[i % len(questions)]
-            rec = Record("quiet", phase, time.monotonic())
-            soak.records.append(rec)
-            tasks.append(
-                asyncio.create_task(
-                    _call(stub, QUIET_KEY, soak_media.request(question, [image]), rec)
-                )
-            )
-            i += 1
-            await asyncio.sleep(soak.settings.quiet_interval_s)
+        for phase, until in phases:
+            while time.monotonic() < until:
+                image, question = questions[i % len(questions)]
+                rec = Record("quiet", phase, time.monotonic())
+                records.append(rec)
+                req = soak_media.request(question, [image])
+                tasks.append(asyncio.create_task(_call(stub, QUIET_KEY, req, rec)))
+                i += 1
+                await asyncio.sleep(interval_s)
         await asyncio.gather(*tasks)
+    return records
 
 
-async def _warm(soak: Soak) -> None:
-    """Each sample once through each core's cold path, so 'alone' measures steady state."""
-    warm = Soak(
-        soak.settings, soak.gateway, soak.env, soak.config, soak.logs, {}, soak.gateway_proc
-    )
-    await _quiet(
-        warm,
-        time.monotonic() + len(soak_media.questions()) * soak.settings.quiet_interval_s,
-        "warm",
-    )
+def quiet_client(gateway: str, interval_s: float, phases: list[tuple[str, float]]) -> list[Record]:
+    """The quiet tenant in its own process, as another service would be: the noisy tenant's
+    client (building 8,000 stop strings, serialising 18 MB uploads) must not delay the quiet
+    one's requests inside a shared event loop, or the soak measures itself."""
+    return asyncio.run(_quiet(gateway, interval_s, phases))
 
 
-async def _noisy(soak: Soak, stop_at: float, stream: int, media: soak_media.NoisyMedia) -> None:
-    rng = random.Random(soak.settings.seed * 1000 + stream)
+async def _noisy(
+    settings: SoakSettings, gateway: str, stop_at: float, stream: int,
+    media: soak_media.NoisyMedia, records: list[Record],
+) -> None:  # fmt: skip
+    rng = random.Random(settings.seed * 1000 + stream)
     hostile, good, big = media.hostile, media.good, media.big
-    async with grpc.aio.insecure_channel(soak.gateway) as channel:
+    async with grpc.aio.insecure_channel(gateway) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)  # type: ignore[no-untyped-call]
         while time.monotonic() < stop_at:
             kind = rng.choice(["hostile", "sampling", "stall", "stops", "cancel", "large"])
             rec = Record("noisy", kind, time.monotonic())
-            soak.records.append(rec)
+            records.append(rec)
             if kind == "stall":
-                await _stalled_upload(stub, rec, soak.settings.deadline_s + 10)
+                await _stalled_upload(stub, rec, settings.deadline_s + 10)
                 continue
             if kind == "hostile":
                 req = soak_media.request("What is this?", [rng.choice(hostile)])
@@ -217,6 +219,28 @@ async def _noisy(soak: Soak, stop_at: float, stream: int, media: soak_media.Nois
                 req = soak_media.request("What colour is the circle?", [good])
             cancel = rng.uniform(0.05, 0.4) if kind == "cancel" else None
             await _call(stub, NOISY_KEY, req, rec, cancel)
+
+
+def noisy_client(
+    settings: SoakSettings, gateway: str, start_at: float, stop_at: float
+) -> tuple[list[Record], list[str]]:
+    """The noisy tenant's streams in their own process, at a lower CPU priority: a load
+    generator stands in for other machines, so building and serialising its 18 MB uploads
+    must not take the shared cores from the services under test. Returns its records and the
+    refusals that came without ErrorInfo."""
+    os.nice(NOISY_CLIENT_NICE)
+    media = soak_media.NoisyMedia.build()
+
+    async def streams() -> list[Record]:
+        records: list[Record] = []
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        await asyncio.gather(
+            *(_noisy(settings, gateway, stop_at, i, media, records)
+              for i in range(settings.noisy_streams))
+        )  # fmt: skip
+        return records
+
+    return asyncio.run(streams()), WITHOUT_ERROR_INFO
 
 
 # ---- faults and resource use ----------------------------------------------------------------
@@ -345,17 +369,27 @@ async def run(soak: Soak) -> dict[str, Any]:
     s = soak.settings
     t0 = time.monotonic()
     sampling = asyncio.Event()
-    media = await asyncio.to_thread(soak_media.NoisyMedia.build)
     sampler = asyncio.create_task(_sample_usage(soak, sampling, t0))
-    await _warm(soak)
-    await _quiet(soak, time.monotonic() + s.seconds_alone, "alone")
-    baseline = _snapshot(soak)
-    noise_start = time.monotonic()
-    end = noise_start + s.seconds_noisy
-    noisy = [asyncio.create_task(_noisy(soak, end, i, media)) for i in range(s.noisy_streams)]
-    faults = asyncio.create_task(_faults(soak, noise_start))
-    await _quiet(soak, end, "beside-noise")
-    await asyncio.gather(faults, *noisy)
+    loop = asyncio.get_running_loop()
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(2, mp_context=spawn) as clients:
+        # Both client processes are up (one call each, run at once) before the clock starts.
+        await asyncio.gather(*(loop.run_in_executor(clients, time.sleep, 0.5) for _ in "qn"))
+        # Each sample once through each core's cold path, so 'alone' measures steady state.
+        warm_end = time.monotonic() + len(soak_media.questions()) * s.quiet_interval_s
+        noise_start = warm_end + s.seconds_alone
+        end = noise_start + s.seconds_noisy
+        phases = [("warm", warm_end), ("alone", noise_start), ("beside-noise", end)]
+        interval = s.quiet_interval_s
+        quiet = loop.run_in_executor(clients, quiet_client, soak.gateway, interval, phases)
+        noisy = loop.run_in_executor(clients, noisy_client, s, soak.gateway, noise_start, end)
+        await asyncio.sleep(noise_start - time.monotonic())
+        baseline = _snapshot(soak)
+        await _faults(soak, noise_start)
+        soak.records.extend(r for r in await quiet if r.kind != "warm")
+        noisy_records, without_info = await noisy
+        soak.records.extend(noisy_records)
+        WITHOUT_ERROR_INFO.extend(without_info)
     await asyncio.sleep(s.settle_s)
     final = _snapshot(soak)
     sampling.set()

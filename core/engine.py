@@ -66,6 +66,10 @@ _FAILURES = {
 }
 
 
+WARM_UP_TOKENS = 512  # about one image and a question on the demo and 7B-class models
+WARM_UP_TENANT = "visor:warm-up"  # salts its cached blocks; they hold only its own text
+
+
 @dataclass(frozen=True, slots=True)
 class VisualItem:
     """What the model's rope positions need of an item besides its features."""
@@ -159,6 +163,7 @@ class Engine:
         self._live: dict[int, tuple[Sequence, Callable[[Event], None]]] = {}
         self._ids = itertools.count()
         self._prefix_seen = (0, 0)  # prefix counters already exported
+        self._warming = False  # `warm_up` is running: its steps are not recorded
         # (time, tokens, sequences) per step, for benchmarks; None = not recorded
         self.step_log: list[tuple[float, int, int]] | None = None
         self._thread = threading.Thread(target=self._loop, name="visor-model", daemon=True)
@@ -259,6 +264,31 @@ class Engine:
         """`generate` for a text-only prompt given as token ids (benchmarks, evaluation)."""
         req = InferRequest(tenant, f"ids-{len(ids)}", (), params, (), "none")
         return self._generate(req, [], {}, None, None, ids, [])
+
+    async def warm_up(self, num_tokens: int = WARM_UP_TOKENS) -> None:
+        """One throwaway text request, a prefill of `num_tokens` (within a step's budget) and a
+        few decode steps, for the core to run before it reports SERVING: a process's first
+        steps pay for allocations and kernel set-up, which a restarted core's first callers
+        would otherwise wait for."""
+        new = 4
+        n = min(num_tokens, self.scheduler.max_batch_tokens, self.inputs.max_request_tokens - new)
+        if n < 1:
+            return
+        ids = (self.tokenizer.tok.encode("warm up " * n).ids * n)[:n]
+        params = SamplingParams(max_new_tokens=new, min_new_tokens=new)
+        self._warming = True  # its steps and tokens stay out of the metrics
+        try:
+            async for _ in self.generate_ids(ids, params, tenant=WARM_UP_TENANT):
+                pass
+        except VisorError as err:  # a start never fails for it: the first caller pays instead
+            log.warning("warm_up_skipped", reason=err.reason.value)
+        finally:
+            await self.run(self._warmed)  # on the model thread, after the last warm-up step
+
+    def _warmed(self) -> None:
+        kv = self.kv_manager
+        self._prefix_seen = (kv.num_queried_tokens, kv.num_hit_tokens)
+        self._warming = False
 
     async def _generate(
         self,
@@ -409,14 +439,14 @@ class Engine:
             result = RunnerOutput.failed(c.seq_id for c in out.chunks)
         self._deliver(self.scheduler.update(out, result))
         self.inputs.num_waiting = self.scheduler.num_waiting
-        if out.chunks:
+        if out.chunks and not self._warming:
             self._record(out, time.perf_counter() - t0)
 
     def _deliver(self, outputs: list[EngineOutput]) -> None:
         """Sends each request's news to its stream; a finished request leaves the table."""
         for out in outputs:
             seq, sink = self._live[out.seq_id]
-            if out.failure is None:
+            if out.failure is None and not self._warming:
                 metrics.GENERATED_TOKENS.inc()
                 if out.num_output_tokens == 1:
                     metrics.TTFT.observe(seq.first_token - seq.arrival)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 
 from core.auth import CoreTokenInterceptor
@@ -15,6 +16,7 @@ from core.vision_queue import EncoderThread, VisionQueue
 from shared import logs, metrics, serving, tls, tracing
 from shared.proto import core_pb2, core_pb2_grpc
 
+SWITCH_INTERVAL_S = 0.0005  # Python's default is 5 ms
 SERVICE = core_pb2.DESCRIPTOR.services_by_name["Core"].full_name
 
 
@@ -32,6 +34,9 @@ async def run(cfg: CoreConfig, cache: CacheConfig, sched: SchedulerConfig, core_
     log = logs.get("core")
     tracing.configure("visor-core")  # first: a bad OTEL_* variable stops us before the model loads
     tune_malloc()
+    # The event loop answers handshakes while the model thread steps: a thread waiting for the
+    # GIL gets it after at most this long, and a handshake takes several turns on the loop.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     artifacts = Path(cfg.artifacts_dir).expanduser()
     engine = Engine(
         Path(cfg.model),
@@ -65,6 +70,7 @@ async def run(cfg: CoreConfig, cache: CacheConfig, sched: SchedulerConfig, core_
     creds = tls.server_credentials(cfg.tls()) if cfg.tls().enabled else None
     serving.bind(server, cfg.listen, creds)
     metrics.serve(cfg.metrics_listen)
+    await engine.warm_up()  # before SERVING: the first steps' set-up is not a caller's wait
     await server.start()
     await serving.set_serving(health, [SERVICE])
     log.info(

@@ -123,7 +123,9 @@ class CoreServicer(core_pb2_grpc.CoreServicer):
         if first is None or first.WhichOneof("kind") != "header":
             raise VisorError(Reason.INVALID_REQUEST, "the first Infer message must be a header")
         req = request_from_proto(first.header)
+        t0 = time.perf_counter()
         with await self.engine.inputs.admit(req) as admitted:  # every check, before any compute
+            timings["admit"] = (time.perf_counter() - t0) * 1000
             async with contextlib.aclosing(self._serve(messages, admitted, timings)) as events:
                 async for event in events:
                     yield event

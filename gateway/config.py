@@ -49,7 +49,7 @@ class GatewayConfig:
     upload_idle_timeout_s: float = 10.0  # an upload whose next message takes longer is ended
     max_upload_bytes_in_flight: int = 256 * MIB  # bytes held by unfinished uploads; OVERLOADED
     core_attempt_timeout_s: float = 2.0  # one core's Describe and cache reply; slower = down
-    core_hedge_after_s: float = 0.2  # no cache reply by then: the next core is asked as well
+    core_hedge_after_s: float = 0.2  # most a handshake waits before the next core is asked too
 
     def validate(self) -> None:
         split_host_port(self.listen)

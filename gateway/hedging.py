@@ -5,11 +5,17 @@ or sent; the first claim wins and every other attempt is cancelled. Until then, 
 waiting after `hedge_s` gets company from the next core. The handshake costs a core a cache
 lookup, so a hedge is cheap; what it saves is a request waiting out `core_attempt_timeout_s` on
 a core that hangs in the second or so before the health loop marks it down.
+
+`HedgeDelay` sets `hedge_s` as "The Tail at Scale" defers a hedged request: to the 95th
+percentile of recent handshakes, so about one request in twenty asks a second core, and one sent
+to a core that has just hung waits about one slow handshake, not a fixed cap.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -26,6 +32,33 @@ class Lost(Exception):
 
 
 _END = object()
+
+
+class HedgeDelay:
+    """How long an attempt waits for its handshake before the next core is asked too: the 95th
+    percentile of the last `window` handshakes, within [`floor_s`, `cap_s`]; `cap_s` until
+    `warmup` handshakes have been seen."""
+
+    QUANTILE = 0.95
+
+    def __init__(
+        self, cap_s: float, floor_s: float = 0.01, window: int = 256, warmup: int = 20
+    ) -> None:
+        self.cap_s, self.floor_s, self.warmup = cap_s, min(floor_s, cap_s), warmup
+        self._recent: deque[float] = deque(maxlen=window)  # arrival order, to drop the oldest
+        self._sorted: list[float] = []
+
+    def observe(self, seconds: float) -> None:
+        if len(self._recent) == self._recent.maxlen:
+            del self._sorted[bisect.bisect_left(self._sorted, self._recent[0])]
+        self._recent.append(seconds)
+        bisect.insort(self._sorted, seconds)
+
+    def __call__(self) -> float:
+        if len(self._sorted) < self.warmup:
+            return self.cap_s
+        p = self._sorted[min(len(self._sorted) - 1, int(self.QUANTILE * len(self._sorted)))]
+        return min(self.cap_s, max(self.floor_s, p))
 
 
 async def first_to_answer(

@@ -38,6 +38,9 @@ from shared.preprocess import PreprocessRule
 
 T = TypeVar("T")
 
+# Media bytes hashed on the event loop; more is hashed on a thread (18 MB take ~10 ms here).
+HASH_ON_LOOP_BYTES = 1 << 20
+
 
 def _ms(since: float) -> float:
     return (time.perf_counter() - since) * 1000
@@ -125,7 +128,7 @@ class Pipeline:
     ) -> None:
         self.pool, self.router = pool, router
         self.attempt_timeout_s = core_attempt_timeout_s
-        self.hedge_s = core_hedge_after_s
+        self.hedge = hedging.HedgeDelay(core_hedge_after_s)
         self.video_enabled = video_enabled
         self.probes = ProbeCache()
 
@@ -162,7 +165,10 @@ class Pipeline:
         media = [m for t in ask.turns for m in t.media]
         t0 = time.perf_counter()
         formats = [sniff(m, self.video_enabled) for m in media]
-        hashes = [content_hash(m) for m in media]
+        if sum(map(len, media)) < HASH_ON_LOOP_BYTES:
+            hashes = [content_hash(m) for m in media]
+        else:  # hashlib lets go of the GIL: other requests' handshakes go on meanwhile
+            hashes = await asyncio.to_thread(lambda: [content_hash(m) for m in media])
         if media:
             timings["sniff"] = _ms(t0)
         job = _Job(
@@ -189,7 +195,7 @@ class Pipeline:
         while cores:
             streamed = False
             try:
-                answers = hedging.first_to_answer(cores, attempt, self.hedge_s, failed)
+                answers = hedging.first_to_answer(cores, attempt, self.hedge(), failed)
                 async for event in answers:
                     streamed = streamed or isinstance(event, Delta)
                     yield event
@@ -248,6 +254,8 @@ class Pipeline:
         async def pixels_for(missing: list[int]) -> list[np.ndarray]:
             if not claim():  # another core answered first
                 raise hedging.Lost()
+            self.hedge.observe(time.perf_counter() - asked)
+            timings["handshake"] = _ms(asked)
             missed[:] = missing
             return await self._decode(job, geo, items, missing, timings)
 
@@ -268,6 +276,7 @@ class Pipeline:
         )
         first = True
         handshake_s = self._attempt_s(job, attempts_by)
+        asked = time.perf_counter()
         events = core.infer(req, job.remaining(), pixels_for, on_transfer, handshake_s)
         async for event in events:
             if isinstance(event, Delta):
