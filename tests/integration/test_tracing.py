@@ -22,8 +22,10 @@ from shared.proto import core_pb2, core_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from tests.conftest import SAMPLES, Stack, start_stack, stop_stack
 from tests.helpers import DEV_KEY, request
 
-GATEWAY_STAGES = {"receive", "sniff", "probe", "image_decode", "preprocess", "transfer", "ttft"}
-CORE_STAGES = {"cache_lookup", "encode", "compress", "queue", "prefill", "generate"}
+GATEWAY_STAGES = {
+    "receive", "sniff", "probe", "handshake", "image_decode", "preprocess", "transfer", "ttft"
+}  # fmt: skip
+CORE_STAGES = {"admit", "cache_lookup", "encode", "compress", "queue", "prefill", "generate"}
 CANARY_PROMPT = "canary-prompt-5f0c9e"  # must appear in no exported byte
 CANARY_STOP = "canary-stop-a71d"
 
