@@ -214,6 +214,8 @@ class Engine:
             sliding_window=None if None in windows else max(w for w in windows if w is not None),
         )
         self.kv_manager = self.scheduler.kv
+        if not self.batch_invariant and not self.compile and self.device.type == "cpu":
+            paged.pack_linears(self.model)  # oneDNN GEMMs; dynamo does not take its weights
         padded = None
         if self.cuda_graphs or self.compile:
             max_seqs = self.scheduler.max_num_seqs

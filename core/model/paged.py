@@ -369,12 +369,41 @@ def exact_rows(weight: torch.Tensor) -> bool:
     return _EXACT[key]
 
 
+PACKED = "visor_packed_weight"  # attribute of a linear layer whose weight `pack_linears` laid out
+
+
+def pack_linears(model: VisionLanguageModel) -> int:
+    """Fast mode on the CPU: each linear layer a step runs (the decoder layers' and the LM head)
+    keeps its weight in oneDNN's layout for its GEMM, as torch.compile's CPU weight freezing
+    does, and `linear` calls oneDNN on it. MKL runs a one-row float32 GEMM (a decode) on one
+    thread whatever torch's thread count; oneDNN uses them all and is faster on one as well
+    (bench/results/HISTORY.md). The plain weight is dropped for an empty one, so memory stays
+    the same (a weight shared with the embeddings stays there). Returns the layers packed: none
+    when oneDNN is missing or the weights are not float32 / bfloat16 on the CPU."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    linears = [m for layer in paged_layers(model) for m in layer.modules()]
+    linears = [m for m in [*linears, model.lm_head] if isinstance(m, nn.Linear)]
+    packed = 0
+    for module in linears:
+        weight = module.weight.detach()
+        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+            continue
+        setattr(module, PACKED, torch.ops.mkldnn._reorder_linear_weight(weight, None))
+        module.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+        packed += 1
+    return packed
+
+
 def linear(layer: nn.Linear, x: torch.Tensor, batch_invariant: bool = True) -> torch.Tensor:
     """`layer(x)`; batch-invariant, such that each row's result is the same whatever else is in
     `x`: at least `TILE` rows (zero-padded), in one call where `exact_rows` allows, else on
-    `TILE`-row tiles."""
+    `TILE`-row tiles. A layer `pack_linears` laid out (fast mode only) runs on oneDNN."""
     rows = x.shape[0]
     if not batch_invariant:
+        packed = getattr(layer, PACKED, None)
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
         return F.linear(x, layer.weight, layer.bias)
     if rows < TILE:
         x = torch.cat([x, x.new_zeros(TILE - rows, x.shape[1])])

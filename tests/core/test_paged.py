@@ -39,6 +39,7 @@ def _run(
     for step in steps:
         chunks = [paged.SeqChunk(s, n, blocks, True) for _, s, n, blocks in step]
         embeds = torch.cat([_embeds(model, seq % 100, s + n)[s:] for seq, s, n, _ in step])
+        embeds = embeds.to(model.lm_head.weight.dtype)
         logits = paged.forward(model, embeds, chunks, kv, batch_invariant)
         for (seq, *_), row in zip(step, logits, strict=True):
             out.setdefault(seq, []).append(row)
@@ -169,3 +170,26 @@ def test_packed_step_makes_at_most_two_attention_calls() -> None:
     assert [(c.num_rows, c.row_queries) for c in meta.attention] == [(8, 1), (4, 16)]
     assert meta.logits_indices.tolist() == [*range(8), 47]
     assert paged.step_metadata(chunks, 16, True, cpu).attention == ()
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_laid_out_weights_give_the_plain_weights_logits(
+    tmp_path_factory: pytest.TempPathFactory, dtype: torch.dtype
+) -> None:
+    """Fast mode on the CPU runs each linear on oneDNN with its weight laid out ahead
+    (`pack_linears`); the logits match the plain weights' on random mixed steps (float32:
+    observed ~1e-6; bfloat16: both round, to ~1e-2 of the logits' scale)."""
+    folder = demo.build(tmp_path_factory.mktemp("packed") / "demo")
+    plain, packed = (llava.load(folder).to(dtype) for _ in range(2))
+    assert paged.pack_linears(packed) == 4 * packed.cfg.text.num_layers + 1
+    assert packed.lm_head.weight.numel() == 0  # the plain copy is gone: same memory
+    hit, _ = _random_steps(0)
+    t = plain.cfg.text
+    kvs = [paged.PagedKV(t.num_layers, 64, 16, t.num_kv_heads, t.head_dim, dtype) for _ in "ab"]
+    want = _run(plain, kvs[0], hit, batch_invariant=False)
+    got = _run(packed, kvs[1], hit, batch_invariant=False)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for seq, rows in got.items():
+        for g, w in zip(rows, want[seq], strict=True):
+            torch.testing.assert_close(g, w, atol=tol * float(w.abs().max()), rtol=tol)

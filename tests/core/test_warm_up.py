@@ -33,9 +33,8 @@ def test_warm_up_runs_steps_that_no_metric_counts(model_dir: Path) -> None:
         assert _metrics() == before
         # Steps after it are counted from there, without the warm-up's prefix lookups.
         engine._record(engine.scheduler.schedule(), 0.0)
-        assert _metrics()["visor_core_prefix_queried_tokens_total"] == (
-            before["visor_core_prefix_queried_tokens_total"]
-        )
+        queried = "visor_core_prefix_queried_tokens_total"
+        assert _metrics()[queried] == before[queried]
     finally:
         engine.close()
 
@@ -47,4 +46,3 @@ def test_a_warm_up_that_cannot_fit_is_skipped(model_dir: Path) -> None:
         assert engine.scheduler.clock == 0
     finally:
         engine.close()
-
