@@ -6,11 +6,14 @@ from collections.abc import Mapping
 
 from prometheus_client import Histogram, start_http_server
 
-# The stage keys of DESIGN.md "Observability", in request order.
+# The stage keys of DESIGN.md "Observability", in request order, with `handshake` (gateway: header
+# to the core's cache reply) and `admit` (core: admission checks), which overlap the others.
 STAGES = (
     "receive",
     "sniff",
     "probe",
+    "handshake",
+    "admit",
     "image_decode",
     "preprocess",
     "transfer",
