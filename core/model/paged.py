@@ -377,9 +377,10 @@ def pack_linears(model: VisionLanguageModel) -> int:
     keeps its weight in oneDNN's layout for its GEMM, as torch.compile's CPU weight freezing
     does, and `linear` calls oneDNN on it. MKL runs a one-row float32 GEMM (a decode) on one
     thread whatever torch's thread count; oneDNN uses them all, is no slower on one thread for
-    one row and faster for several (bench/results/HISTORY.md). The plain weight is dropped for an empty one, so memory stays
-    the same (a weight shared with the embeddings stays there). Returns the layers packed: none
-    when oneDNN is missing or the weights are not float32 / bfloat16 on the CPU."""
+    one row and faster for several (bench/results/HISTORY.md). The plain weight is dropped for
+    an empty one, so memory stays the same (a weight shared with the embeddings stays there).
+    Returns the layers packed: none when oneDNN is missing or the weights are not float32 /
+    bfloat16 on the CPU."""
     if not torch.backends.mkldnn.is_available():
         return 0
     linears = [m for layer in paged_layers(model) for m in layer.modules()]
