@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -381,10 +382,10 @@ def pack_linears(model: VisionLanguageModel) -> int:
     an empty one, so memory stays the same (a weight shared with the embeddings stays there).
     Returns the layers packed: none when oneDNN is missing or the weights are not float32 /
     bfloat16 on the CPU."""
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return 0
-    linears = [m for layer in paged_layers(model) for m in layer.modules()]
-    linears = [m for m in [*linears, model.lm_head] if isinstance(m, nn.Linear)]
+    modules = [*cast(nn.Module, model.language_model).modules(), model.lm_head]
+    linears = [m for m in modules if isinstance(m, nn.Linear)]
     packed = 0
     for module in linears:
         weight = module.weight.detach()
