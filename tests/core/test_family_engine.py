@@ -198,3 +198,22 @@ def test_deepstack_inside_an_image_matches_the_unchunked_run(checkpoints: dict[s
     finally:
         whole.close()
         chunked.close()
+
+
+@pytest.mark.parametrize("family", ["qwen", "qwen3", "gemma"])
+def test_fast_mode_on_onednn_weights_matches_the_bitwise_mode(
+    checkpoints: dict[str, Path], family: str
+) -> None:
+    """Fast mode on the CPU runs every decoder linear on oneDNN (`paged.pack_linears`): Qwen's
+    QKV biases, Gemma's tied LM head and Qwen3's deepstack rows give the bitwise mode's
+    logprobs to float32 rounding."""
+    fast = Engine(checkpoints[family], family, batch_invariant=False)
+    exact = Engine(checkpoints[family], family, batch_invariant=True)
+    try:
+        assert fast.model.lm_head.weight.numel() == 0  # laid out for oneDNN, the plain copy gone
+        got = asyncio.run(_ask(fast, _pixels(family, 1), tenant="t"))
+        want = asyncio.run(_ask(exact, _pixels(family, 1), tenant="t"))
+        np.testing.assert_allclose(got[1], want[1], atol=1e-3)
+    finally:
+        fast.close()
+        exact.close()
