@@ -140,21 +140,10 @@ def compress_item(
     chosen: Profile,
     seed: int = 0,
     grid: Grid | None = None,
-) -> np.ndarray:
-    """(units * tokens, hidden) features -> compressed (tokens', hidden), unit by unit."""
-    return compress_item_kept(features, importance, num_tiles, chosen, seed, grid)[0]
-
-
-def compress_item_kept(
-    features: np.ndarray,
-    importance: np.ndarray,
-    num_tiles: int,
-    chosen: Profile,
-    seed: int = 0,
-    grid: Grid | None = None,
 ) -> tuple[np.ndarray, Kept | None]:
-    """`compress_item`, and which original token each output row stands for (a merged row: the
-    token it was merged into; a pooled one: its window's first); None when nothing changed.
+    """(units * tokens, hidden) features -> compressed (tokens', hidden), unit by unit, and which
+    original token each output row stands for (a merged row: the token it was merged into; a
+    pooled one: its window's first); None when nothing changed.
     `grid`: each unit's (rows, cols) as in `visual_tokens`."""
     if not chosen.steps:
         return features, None
@@ -183,10 +172,10 @@ def compress_by_rule(
     chosen: Profile,
     seed: int = 0,
 ) -> tuple[np.ndarray, Kept | None]:
-    """`compress_item_kept` on an item of (checked) `shape`, unit by unit as `rule` lays its
+    """`compress_item` on an item of (checked) `shape`, unit by unit as `rule` lays its
     tokens out: what `item_tokens` counted at admission."""
     units = layout(rule, shape)
-    return compress_item_kept(features, importance, units.num_units, chosen, seed, units.grid)
+    return compress_item(features, importance, units.num_units, chosen, seed, units.grid)
 
 
 def apply(

@@ -191,7 +191,7 @@ class InProcess:
         t0 = time.perf_counter()
         seed = request_seed(req.request_id)
         feats = [
-            compression.compress_item(f, imp, item.shape[0], chosen.profile, seed)
+            compression.compress_item(f, imp, item.shape[0], chosen.profile, seed)[0]
             for f, imp, item in zip(
                 prepared.features, prepared.importance, prepared.items, strict=True
             )

@@ -135,7 +135,7 @@ def test_a_request_exactly_at_the_limit_is_admitted_and_served(
     req = dataclasses.replace(_req(SamplingParams(4, 4), (item,)), profile=profile)
     feats, importance = _features(probe, 3)
     chosen = compression.profile(profile)
-    compressed = compression.compress_item(feats, importance, 3, chosen)
+    compressed = compression.compress_item(feats, importance, 3, chosen)[0]
     need = len(probe.tokenizer.encode_chat(list(req.turns), [compressed.shape[0]])) + 4
     probe.close()
     exact = Engine(model_dir, "exact", scheduler=SchedulerConfig(max_request_tokens=need))

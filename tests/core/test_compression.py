@@ -66,7 +66,7 @@ def test_profiles() -> None:
     two_tiles_f, two_tiles_s = np.concatenate([feats, feats]), np.concatenate([scores, scores])
     sizes = {}
     for name in compression.PROFILES:
-        out = compression.compress_item(two_tiles_f, two_tiles_s, 2, compression.profile(name))
+        out = compression.compress_item(two_tiles_f, two_tiles_s, 2, compression.profile(name))[0]
         sizes[name] = out.shape[0]
     assert sizes == {
         "none": 392,
@@ -85,7 +85,7 @@ def test_admission_counts_what_compression_produces(tokens: int) -> None:
     profile's steps really leave (a rounding mismatch refused requests at the limit late)."""
     feats, scores = _tile(3 * tokens, 8)
     for chosen in compression.PROFILES.values():
-        out = compression.compress_item(feats, scores, 3, chosen, seed=1)
+        out = compression.compress_item(feats, scores, 3, chosen, seed=1)[0]
         assert compression.visual_tokens(tokens, 3, chosen) == out.shape[0], chosen.name
 
 
@@ -97,20 +97,20 @@ def test_kept_indices_name_the_original_tokens(name: str) -> None:
     feats = rng.normal(size=(2 * 49, 16)).astype(np.float32)
     scores = rng.random(2 * 49).astype(np.float32)
     chosen = compression.profile(name)
-    out, kept = compression.compress_item_kept(feats, scores, 2, chosen)
+    out, kept = compression.compress_item(feats, scores, 2, chosen)
     assert kept is not None and kept.num_tokens == 98 and kept.indices.shape == (out.shape[0],)
-    assert np.array_equal(out, compression.compress_item(feats, scores, 2, chosen))
+    assert np.array_equal(out, compression.compress_item(feats, scores, 2, chosen)[0])
     for tile in (kept.indices[kept.indices < 49], kept.indices[kept.indices >= 49]):
         assert np.all(np.diff(tile) > 0)
     if name != "high-precision":  # pruning only: the rows are the tokens themselves
         assert np.array_equal(out, feats[kept.indices])
-    _, pooled = compression.compress_item_kept(
+    _, pooled = compression.compress_item(
         feats[:49], scores[:49], 1, compression.Profile("p", (compression.Step("pool", 0.25),))
     )
     # 7 x 7: four windows a row, the last one column wide (an odd edge is kept, not dropped)
     assert pooled is not None and pooled.indices.tolist()[:5] == [0, 2, 4, 6, 14]
     assert len(pooled.indices) == 16
-    assert compression.compress_item_kept(feats, scores, 2, compression.profile("none"))[1] is None
+    assert compression.compress_item(feats, scores, 2, compression.profile("none"))[1] is None
 
 
 NATIVE = PreprocessRule(
@@ -137,14 +137,14 @@ def test_pool_follows_a_wide_grid_and_keeps_its_odd_edges() -> None:
     """A 3 x 5 grid pools to 2 x 3 windows: the last row and column are windows of their own,
     each the mean of its tokens, named by its top-left token."""
     feats, scores = _tile(15, 4)
-    out, kept = compression.compress_item_kept(feats, scores, 1, POOL, grid=(3, 5))
+    out, kept = compression.compress_item(feats, scores, 1, POOL, grid=(3, 5))
     assert kept is not None and kept.indices.tolist() == [0, 2, 4, 10, 12, 14]
     grid = feats.reshape(3, 5, 4)
     assert np.allclose(out[1], grid[:2, 2:4].mean(axis=(0, 1)))
     assert np.allclose(out[2], grid[:2, 4].mean(axis=0))
     assert np.allclose(out[5], grid[2, 4])
     # Read as a square it would not be one: without the grid nothing is pooled.
-    assert compression.compress_item(feats, scores, 1, POOL).shape == (15, 4)
+    assert compression.compress_item(feats, scores, 1, POOL)[0].shape == (15, 4)
 
 
 @pytest.mark.parametrize("shape", [(1, 3, 28, 28), (1, 3, 140, 84), (1, 3, 28, 392)])

@@ -100,7 +100,7 @@ def test_profiles_count_the_tokens_compression_leaves_native_and_fixed(
         feats = rng.standard_normal((full, 8)).astype(np.float32)
         out = compression.compress_item(
             feats, rng.random(full), units.num_units, chosen, 1, units.grid
-        )
+        )[0]
         assert count == out.shape[0] and (count < full) == bool(chosen.steps)
         if profile == "balanced":
             assert count == balanced[rule]
