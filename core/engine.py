@@ -276,7 +276,7 @@ class Engine:
         n = min(num_tokens, self.scheduler.max_batch_tokens, self.inputs.max_request_tokens - new)
         if n < 1:
             return
-        ids = (self.tokenizer.tok.encode("warm up " * n).ids * n)[:n]
+        ids = (self.tokenizer.tok.encode("warm up ").ids * n)[:n]
         params = SamplingParams(max_new_tokens=new, min_new_tokens=new)
         self._warming = True  # its steps and tokens stay out of the metrics
         try:

@@ -254,8 +254,9 @@ class Pipeline:
         async def pixels_for(missing: list[int]) -> list[np.ndarray]:
             if not claim():  # another core answered first
                 raise hedging.Lost()
-            self.hedge.observe(time.perf_counter() - asked)
-            timings["handshake"] = _ms(asked)
+            took = time.perf_counter() - asked
+            self.hedge.observe(took)
+            timings["handshake"] = took * 1000
             missed[:] = missing
             return await self._decode(job, geo, items, missing, timings)
 
