@@ -38,8 +38,10 @@ from shared.preprocess import PreprocessRule
 
 T = TypeVar("T")
 
-# Media bytes hashed on the event loop; more is hashed on a thread (18 MB take ~10 ms here).
-HASH_ON_LOOP_BYTES = 1 << 20
+# Byte work (hashing, assembling uploads) below this size runs on the event loop; larger runs on a
+# thread, where it cannot delay other requests' turns: 18 MB take ~10 ms to hash or to copy into
+# fresh pages here, and both hashlib and bytes.join let go of the GIL for buffers this large.
+ON_LOOP_BYTES = 1 << 20
 
 
 def _ms(since: float) -> float:
@@ -165,7 +167,7 @@ class Pipeline:
         media = [m for t in ask.turns for m in t.media]
         t0 = time.perf_counter()
         formats = [sniff(m, self.video_enabled) for m in media]
-        if sum(map(len, media)) < HASH_ON_LOOP_BYTES:
+        if sum(map(len, media)) < ON_LOOP_BYTES:
             hashes = [content_hash(m) for m in media]
         else:  # hashlib lets go of the GIL: other requests' handshakes go on meanwhile
             hashes = await asyncio.to_thread(lambda: [content_hash(m) for m in media])

@@ -119,13 +119,16 @@ def new_server(cfg: GatewayConfig) -> grpc.aio.Server:
 def return_big_buffers() -> None:
     """Media and uploads are buffers of several MiB that live for one request. glibc's dynamic
     mmap threshold would move them onto the heap after the first free, where they stay as
-    resident memory after the request; a fixed 1 MiB threshold serves each from its own mapping,
-    returned to the system when freed."""
+    resident memory after the request; a fixed threshold serves each from its own mapping,
+    returned to the system when freed. It sits above upload chunks (1 MiB from our clients) and
+    most messages, which the heap reuses: a fresh mapping faults in every page again, and
+    receiving an 18 MB upload in 1 MiB chunks that way cost ~40 ms of the event loop instead of
+    ~14 (bench/results/HISTORY.md)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return
-    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (fixing it also stops the dynamic growth)
+    libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD (fixing it also stops the dynamic growth)
 
 
 def _start_pool(cfg: GatewayConfig, lim: LimitsConfig, log: object) -> DecodePool:

@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 from gateway import limits, metrics
 from gateway.auth import authenticate
 from gateway.config import LimitsConfig
-from gateway.pipeline import Pipeline
+from gateway.pipeline import ON_LOOP_BYTES, Pipeline
 from gateway.quota import Quotas, UploadBytes
 from gateway.tenants import LiveTenants
 from gateway.types import Ask, Delta, Final, Params, Turn
@@ -263,29 +263,39 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     Reason.INVALID_REQUEST, "the first upload message must be the request"
                 )
             req = first.request
-            blobs = [bytearray(m.data) for t in req.turns for m in t.media]
-            blobs += [bytearray(m.data) for m in req.media]
-            limits.check_count(lim, len(blobs))
-            total = sum(len(b) for b in blobs)
+            # Each item's pieces, joined once at the end: reading a bytes field copies it, and
+            # appending to one growing buffer copies every byte again into fresh pages.
+            parts = [[m.data] for t in req.turns for m in t.media]
+            parts += [[m.data] for m in req.media]
+            limits.check_count(lim, len(parts))
+            sizes = [len(p[0]) for p in parts]
+            total = sum(sizes)
             take(total)
             try:
                 while (msg := await self._next(it, deadline)) is not None:
                     if isinstance(msg, Malformed):
                         raise _not_proto()
                     chunk = msg.chunk
-                    if msg.WhichOneof("kind") != "chunk" or chunk.media_index >= len(blobs):
+                    index = chunk.media_index
+                    if msg.WhichOneof("kind") != "chunk" or index >= len(parts):
                         raise VisorError(Reason.INVALID_REQUEST, "upload chunk names no media item")
-                    blob = blobs[chunk.media_index]
-                    blob += chunk.data
-                    total += len(chunk.data)
-                    limits.check_bytes(lim, len(blob), total)
-                    take(len(chunk.data))
+                    data = chunk.data
+                    sizes[index] += len(data)
+                    total += len(data)
+                    limits.check_bytes(lim, sizes[index], total)
+                    take(len(data))
+                    parts[index].append(data)
             except VisorError as err:
-                blobs.clear()
+                parts.clear()
                 if err.reason is not Reason.DEADLINE_EXCEEDED:  # the client is still sending
                     await _drain(it, min(DRAIN_S, max(0.0, deadline - time.perf_counter())))
                 raise
-        return ask_from_proto(req, [bytes(b) for b in blobs])
+
+            def join() -> list[bytes]:
+                return [b"".join(p) for p in parts]
+
+            media = join() if total < ON_LOOP_BYTES else await asyncio.to_thread(join)
+        return ask_from_proto(req, media)
 
     async def _next(
         self, it: AsyncIterator[gateway_pb2.UploadMessage | Malformed], deadline: float

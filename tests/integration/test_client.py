@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import io
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 import visor
 from tests.conftest import SAMPLES, Stack, free_port, start_stack, stop_stack
@@ -125,6 +129,27 @@ def test_upload_is_chosen_by_total_media_size(stack: Stack, tmp_path: Path) -> N
             assert refused.value.retry_after_s == pytest.approx(1.0)  # OVERLOADED's hint
         with visor.Client(gw, DEV_KEY) as inline:
             assert len(inline.ask("Compare them.", [PNG, JPEG], max_new_tokens=2).cache) == 2
+
+
+def test_an_upload_of_several_chunks_is_assembled_byte_for_byte(stack: Stack) -> None:
+    """An item of two chunks beside one of one (1.2 MB in all: assembled off the event loop)
+    reaches the core as sent: each item's content hash is the SHA-256 of its bytes, and the
+    answer is the one the same media get inline."""
+    noise = np.random.default_rng(0).integers(0, 256, (640, 640, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(noise).save(out, format="PNG")
+    big = out.getvalue()
+    media = [big, JPEG]
+    assert 1 << 20 < len(big) < 2 << 20
+    ask = {"max_new_tokens": 3, "min_new_tokens": 3}
+    with visor.Client(stack.gateway, DEV_KEY, inline_limit=64) as client:
+        uploaded = client.ask("Compare them.", media, **ask)
+    with visor.Client(stack.gateway, DEV_KEY) as client:
+        inline = client.ask("Compare them.", media, **ask)
+    hashes = [hashlib.sha256(m).hexdigest() for m in media]
+    assert [c["content_hash"] for c in uploaded.cache] == hashes
+    assert [c["content_hash"] for c in inline.cache] == hashes
+    assert uploaded.text == inline.text
 
 
 def test_quota_refusal_is_retried_after_the_servers_hint(stack: Stack, tmp_path: Path) -> None:
