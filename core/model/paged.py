@@ -46,6 +46,8 @@ from torch import nn
 from core.model.family import Attend, VisionLanguageModel, paged_layers, sliding_windows
 
 TILE = 16  # rows per GEMM call and queries per attention row
+# Rows up to which a compiled CPU step writes its GEMMs as reductions (see `linear`).
+REDUCTION_ROWS = 4
 Spans = tuple[tuple[int, int], ...]  # sequence-index [start, end) of each image
 
 
@@ -400,9 +402,17 @@ def pack_linears(model: VisionLanguageModel) -> int:
 def linear(layer: nn.Linear, x: torch.Tensor, batch_invariant: bool = True) -> torch.Tensor:
     """`layer(x)`; batch-invariant, such that each row's result is the same whatever else is in
     `x`: at least `TILE` rows (zero-padded), in one call where `exact_rows` allows, else on
-    `TILE`-row tiles. A layer `pack_linears` laid out (fast mode only) runs on oneDNN."""
+    `TILE`-row tiles. A layer `pack_linears` laid out (fast mode only) runs on oneDNN; a step
+    torch.compile traces on the CPU writes up to `REDUCTION_ROWS` rows as a reduction."""
     rows = x.shape[0]
     if not batch_invariant:
+        if rows <= REDUCTION_ROWS and x.device.type == "cpu" and torch.compiler.is_compiling():
+            # A decode's GEMM is a GEMV: the weight streams from memory once. MKL runs a
+            # one-row GEMM on one thread, and oneDNN's is slower than the kernel inductor emits
+            # for this reduction, which splits the weight's rows over every thread; with each
+            # weight row outermost, it is read once for all the step's rows (HISTORY.md).
+            y = (layer.weight[:, None, :] * x[None]).sum(-1).t()
+            return y if layer.bias is None else y + layer.bias
         packed = getattr(layer, PACKED, None)
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")

@@ -5,8 +5,11 @@ this one sees any difference.)"""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from core.model import demo, llava, paged
 
@@ -193,3 +196,21 @@ def test_onednn_laid_out_weights_give_the_plain_weights_logits(
     for seq, rows in got.items():
         for g, w in zip(rows, want[seq], strict=True):
             torch.testing.assert_close(g, w, atol=tol * float(w.abs().max()), rtol=tol)
+
+
+def test_a_compiled_cpu_step_writes_small_gemms_as_reductions() -> None:
+    """Traced by torch.compile on the CPU, `linear` of up to `REDUCTION_ROWS` rows becomes a
+    reduction inductor emits itself (no GEMM library call); more rows stay one GEMM. Both give
+    `F.linear`'s values."""
+    from torch._inductor.utils import run_and_get_code
+
+    layer = torch.nn.Linear(64, 48)
+    step = torch.compile(lambda x: paged.linear(layer, x, batch_invariant=False), dynamic=False)
+    rows = paged.REDUCTION_ROWS
+    with torch.no_grad():
+        for n, reduced in ((1, True), (rows, True), (rows + 1, False)):
+            x = torch.randn(n, 64)
+            got, code = run_and_get_code(step, x)
+            torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
+            gemm = re.search(r"extern_kernels\.\w*mm\(", "\n".join(code))  # mm or addmm
+            assert (gemm is None) is reduced, n
