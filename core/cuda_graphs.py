@@ -177,11 +177,9 @@ class DecodeGraphs:
         self._steps: dict[Shape, _Static] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self._compiled: Callable[..., torch.Tensor] | None = None
+        # One compiled step per bucket (static shapes): dynamo must keep them all.
+        self._recompile_limit = len(buckets.batches) * len(buckets.keys) * 2
         if compile:
-            # One compiled step per bucket (static shapes): dynamo must keep them all.
-            limit = len(buckets.batches) * len(buckets.keys) * 2
-            config = torch._dynamo.config
-            config.recompile_limit = max(config.recompile_limit, limit)
             self._compiled = torch.compile(self._padded_step, dynamic=False)
         self.num_steps = 0  # steps served here (padded), for tests and benchmarks
 
@@ -250,6 +248,10 @@ class DecodeGraphs:
         if not self.capture and self._compiled is None:
             return step
         t0 = time.perf_counter()
+        # Dynamo's settings are per thread: set on the thread that compiles (the model thread),
+        # or past 8 buckets dynamo would run every new one eagerly.
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, self._recompile_limit)
         self._fill(step, host_buffer([], shape, self.kv.block_size, self.scratch_block))
         step.embeds.copy_(self._pad.expand(shape.rows, -1))
         if self.capture:

@@ -11,6 +11,7 @@ copies its indices to the device once; with one, captured graphs replay as the e
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -185,6 +186,25 @@ def test_a_compiled_step_gives_the_eager_logits() -> None:
         (*kv.keys, *kv.values), (*eager_kv.keys, *eager_kv.values), strict=True
     ):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_buckets_compile_past_dynamos_default_limit_on_the_model_thread() -> None:
+    """Dynamo's settings are per thread, and the engine compiles on its model thread: the
+    recompile limit that lets every bucket compile is set there, not only where the runner was
+    built (else dynamo runs each bucket past the 8th eagerly, with a warning on stderr)."""
+    model = TinyModel(*VARIANTS["rope+global+window"])
+    graphs = DecodeGraphs(model, _kv(model), BUCKETS, capture=False, compile=True)  # type: ignore[arg-type]
+    seen: list[int] = []
+
+    def model_thread() -> None:
+        chunks, embeds = _decode_batch(model, 2, 5)
+        assert graphs.run(embeds, chunks) is not None and graphs.compiled
+        seen.append(torch._dynamo.config.recompile_limit)
+
+    thread = threading.Thread(target=model_thread)
+    thread.start()
+    thread.join()
+    assert seen == [len(BUCKETS.batches) * len(BUCKETS.keys) * 2]
 
 
 _COPY = torch.Tensor.copy_
