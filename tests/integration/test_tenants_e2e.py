@@ -53,7 +53,12 @@ def config(dev_keys: tuple[str, ...] = (DEV_KEY,), dev_limits: str = "", b_limit
 
 @pytest.fixture(scope="module")
 def tenants_stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = start_stack(model_dir, tmp_path_factory.mktemp("tenants"), tenants_toml=config())
+    s = start_stack(
+        model_dir,
+        tmp_path_factory.mktemp("tenants"),
+        tenants_toml=config(),
+        VISOR_LIMITS_MAX_NEW_TOKENS="4096",  # a stream long enough to outlast a reload
+    )
     yield s
     stop_stack(s)
 
@@ -213,13 +218,13 @@ def test_a_bad_file_is_refused_and_the_old_table_kept(restore: Stack) -> None:
 
 
 def test_a_request_in_flight_finishes_under_the_policy_it_started_with(restore: Stack) -> None:
-    running = Stream(restore.gateway, DEV_KEY, 400)
+    running = Stream(restore.gateway, DEV_KEY, 4000)
     reload(restore, config(dev_limits="max_new_tokens = 16"))
     assert running.final is None  # still generating when the new table came in
     late = generate(restore.gateway, request("Tell a long story.", max_new_tokens=400))
     assert late.reason == "TOKEN_BUDGET" and "the cap (16)" in late.message
     final = running.join()
-    assert final.usage.output_tokens == 400 and final.finish_reason == "length"
+    assert final.usage.output_tokens == 4000 and final.finish_reason == "length"
 
 
 def test_an_open_upload_keeps_the_tenant_it_authenticated_as(restore: Stack) -> None:
