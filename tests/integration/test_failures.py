@@ -95,7 +95,8 @@ def test_a_hung_core_fails_fast_and_long_answers_outlive_the_attempt_timeout(
     CORE_UNAVAILABLE within about core_attempt_timeout_s (1 s), far below its 30 s deadline,
     both before and after the health loop notices; a long answer is not cut by that timeout."""
     png = (SAMPLES / "shapes.png").read_bytes()
-    long_req = request("Tell a long story.", max_new_tokens=800, min_new_tokens=800)
+    # 3000 tokens: several seconds at the demo model's speed here, whatever the load
+    long_req = request("Tell a long story.", max_new_tokens=3000, min_new_tokens=3000)
     long, elapsed = _timed(hang_stack, long_req, timeout=60)
     assert long.code == grpc.StatusCode.OK, (long.code, long.reason)
     assert elapsed > 2.0, elapsed  # tokens flowed well past the 1 s attempt timeout
