@@ -136,56 +136,6 @@ class Engine:
                 f"no model at {model_dir}: build the demo one with "
                 f"`visor model init-demo --out {model_dir}`"
             )
-        self._inbox = _Inbox()
-        # Each live request's state and stream, by seq_id (model thread only).
-        self._live: dict[int, tuple[Sequence, Callable[[Event], None]]] = {}
-        self._ids = itertools.count()
-        self._prefix_seen = (0, 0)  # prefix counters already exported
-        self._warming = False  # `warm_up` is running: its steps are not recorded
-        # (time, tokens, sequences) per step, for benchmarks; None = not recorded
-        self.step_log: list[tuple[float, int, int]] | None = None
-        # Everything that runs torch runs on the model thread, from loading the weights on. GNU
-        # OpenMP keeps a pool of workers per thread that ever ran a parallel region, and once it
-        # manages more threads than there are CPUs its workers sleep at every barrier instead of
-        # spinning: a step's kernels then lose much of their second thread (HISTORY.md).
-        started: Future[None] = Future()
-
-        def load() -> None:
-            self._load(
-                model_dir, core_id, num_threads, encoder, artifacts, scheduler, device, dtype,
-                batch_invariant, gpu_memory_fraction, cuda_graphs, compile,
-            )  # fmt: skip
-
-        self._thread = threading.Thread(
-            target=self._main, args=(started, load), name="visor-model", daemon=True
-        )
-        self._thread.start()
-        started.result()  # the load's exception, if it failed
-
-    def _main(self, started: Future[None], load: Callable[[], None]) -> None:
-        try:
-            load()
-        except BaseException as exc:
-            started.set_exception(exc)
-            return
-        started.set_result(None)
-        self._loop()
-
-    def _load(
-        self,
-        model_dir: Path,
-        core_id: str,
-        num_threads: int,
-        encoder: str,
-        artifacts: Path | None,
-        scheduler: SchedulerConfig | None,
-        device: str,
-        dtype: str,
-        batch_invariant: bool,
-        gpu_memory_fraction: float,
-        cuda_graphs: bool,
-        compile: bool,
-    ) -> None:
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.device, self.dtype = resolve(device, dtype)
@@ -208,6 +158,16 @@ class Engine:
         self.cuda_graphs = cuda_graphs and not batch_invariant and self.device.type == "cuda"
         self.compile = compile and not batch_invariant
         self._build(scheduler or SchedulerConfig(), gpu_memory_fraction)
+        self._inbox = _Inbox()
+        # Each live request's state and stream, by seq_id (model thread only).
+        self._live: dict[int, tuple[Sequence, Callable[[Event], None]]] = {}
+        self._ids = itertools.count()
+        self._prefix_seen = (0, 0)  # prefix counters already exported
+        self._warming = False  # `warm_up` is running: its steps are not recorded
+        # (time, tokens, sequences) per step, for benchmarks; None = not recorded
+        self.step_log: list[tuple[float, int, int]] | None = None
+        self._thread = threading.Thread(target=self._loop, name="visor-model", daemon=True)
+        self._thread.start()
         folder = artifacts or model_dir / ".visor"
         self.encoder = encoders.build(
             encoder,
