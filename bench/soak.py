@@ -347,8 +347,7 @@ def start(settings: SoakSettings, logs: Path) -> Soak:
         "VISOR_GATEWAY_DEFAULT_DEADLINE_S": str(settings.deadline_s),
         "VISOR_DEPLOYMENT_SECRET_FILE": str(logs / "deployment.secret"),
         # Each core gets its share of the host's CPUs, as a deployment gives each its own: two
-        # cores at torch's default (every CPU each) oversubscribe them twice, and their OpenMP
-        # workers, spinning at barriers, then take turns with the gateway and each other.
+        # cores at torch's default (every CPU each) oversubscribe them twice.
         "VISOR_CORE_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // len(cores))),
     }
     started = {address: _start_core(env, config, logs, address) for address in cores}
