@@ -267,9 +267,20 @@ def test_requests_total_counts_each_outcome_once(stack: Stack, tmp_path: Path) -
         assert _counted(metrics, before, {"cancelled": 1}) == {"cancelled": 1}
 
 
-def _rss_mb(pid: int) -> float:
+def _rss_kib(pid: int) -> float:
     status = Path(f"/proc/{pid}/status").read_text()
     return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS"))
+
+
+def _settled_rss_kib(pid: int) -> float:
+    """The least RSS over a second and a half: the refused streams' transport buffers are freed
+    as gRPC tears the streams down, a moment after their statuses reach the client (a sample
+    taken then can read 100 MB more than the next); bytes kept stay in every sample."""
+    samples = []
+    for _ in range(15):
+        samples.append(_rss_kib(pid))
+        time.sleep(0.1)
+    return min(samples)
 
 
 def test_refused_uploads_get_their_reason_and_do_not_keep_their_bytes(
@@ -295,8 +306,10 @@ def test_refused_uploads_get_their_reason_and_do_not_keep_their_bytes(
                 for u in uploads:
                     u.close()
                 assert [o.reason for o in outcomes] == ["MEDIA_TOO_LARGE"] * 8, outcomes
-                rss.append(_rss_mb(proc.pid) / 1024)
+                rss.append(_settled_rss_kib(proc.pid) / 1024)
     finally:
         procs.stop(proc)
-    # Rounds 3 to 5: 24 refusals, ~480 MB if their bytes were kept.
-    assert rss[-1] - rss[1] < 120, f"gateway RSS after each round (MB): {rss}"
+    # Rounds 3 to 5: 24 refusals, ~480 MB if their bytes were kept. gRPC's threads' malloc arenas
+    # keep some of a round's receive buffers (30-100 MB here, varying run to run), reached by the
+    # warm-up rounds.
+    assert rss[-1] - max(rss[:2]) < 120, f"gateway RSS after each round (MB): {rss}"
