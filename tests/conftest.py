@@ -94,11 +94,16 @@ def start_stack(
         "VISOR_GATEWAY_METRICS_LISTEN": "",
         **gateway_env,
     }
-    core_proc = procs.start("core", env, config, log_path=logs / "core.log")
-    procs.wait_healthy(core, core_proc, timeout_s=120)
-    gw_proc = procs.start("gateway", env, config, log_path=logs / "gateway.log")
-    procs.wait_healthy(gw, gw_proc, timeout_s=60)
-    return Stack(gw, core, metrics, env, logs, core_proc, gw_proc)
+    started = [procs.start("core", env, config, log_path=logs / "core.log")]
+    try:  # a stack that fails to start leaves no process behind (no teardown will run)
+        procs.wait_healthy(core, started[0], timeout_s=120)
+        started.append(procs.start("gateway", env, config, log_path=logs / "gateway.log"))
+        procs.wait_healthy(gw, started[1], timeout_s=60)
+    except BaseException:
+        for proc in reversed(started):
+            procs.stop(proc)
+        raise
+    return Stack(gw, core, metrics, env, logs, started[0], started[1])
 
 
 def stop_stack(stack: Stack) -> None:
