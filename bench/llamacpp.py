@@ -10,6 +10,7 @@ and through the server, alternating, with the same thread count. Never part of `
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import numpy as np
 from safetensors.torch import load_file, save_file
 
 from shared.net import free_port
+from visor.cli import OPENMP_WAITS
 
 VERSION = "0.3.36"  # llama-cpp-python sdist whose vendored llama.cpp is built and converted with
 CACHE = Path(".visor/llama.cpp")
@@ -155,7 +157,9 @@ def serve(binary: Path, model: Path, threads: int, slots: int, ctx: int) -> Iter
     cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(ctx * slots)]
     cmd += ["--no-warmup", "--log-disable"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # llama.cpp runs on libgomp too: it gets libgomp's defaults, as its users run it, not visor's.
+    env = {k: v for k, v in os.environ.items() if k not in OPENMP_WAITS}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
