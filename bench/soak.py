@@ -79,6 +79,7 @@ class Soak:
     records: list[Record] = field(default_factory=list)
     faults: list[dict[str, Any]] = field(default_factory=list)
     usage: list[dict[str, Any]] = field(default_factory=list)
+    noise_start: float = 0.0  # monotonic; the report's per-request and fault times count from it
 
 
 # ---- clients --------------------------------------------------------------------------------
@@ -386,6 +387,7 @@ async def run(soak: Soak) -> dict[str, Any]:
         interval = s.quiet_interval_s
         quiet = loop.run_in_executor(clients, quiet_client, soak.gateway, interval, phases)
         noisy = loop.run_in_executor(clients, noisy_client, s, soak.gateway, noise_start, end)
+        soak.noise_start = noise_start
         await asyncio.sleep(noise_start - time.monotonic())
         baseline = _snapshot(soak)
         await _faults(soak, noise_start)
@@ -458,7 +460,7 @@ def report(
         if r.end - r.start > s.deadline_s + 1.0:
             late.append(
                 {"tenant": r.tenant, "kind": r.kind, "outcome": r.outcome,
-                 "t": round(r.start - t0, 2), "seconds": round(r.end - r.start, 2)}
+                 "t": round(r.start - soak.noise_start, 2), "seconds": round(r.end - r.start, 2)}
             )  # fmt: skip
         if r.tenant != "quiet":
             continue
@@ -471,7 +473,7 @@ def report(
         elif kill_at is not None and r.start <= kill_at <= r.end:
             excused += 1  # in flight on the core that was killed
         else:
-            lost.append({"t": round(r.start - t0, 2), "outcome": r.outcome})
+            lost.append({"t": round(r.start - soak.noise_start, 2), "outcome": r.outcome})
     p99_alone, p99_noisy = _pct(lat["alone"], 0.99), _pct(lat["beside-noise"], 0.99)
     returned = {
         name: {
@@ -486,6 +488,8 @@ def report(
         "bench": "soak",
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(s).items()},
         "machine": f"{os.cpu_count()} CPUs",
+        # Faults' and requests' `t` count from the start of the noise; usage_over_time's from here.
+        "noise_start_t": round(soak.noise_start - t0, 2),
         "outcomes": {t: dict(c) for t, c in outcomes.items()},
         "noisy_by_kind": {k: dict(c) for k, c in sorted(by_kind.items())},
         "quiet": {
@@ -508,7 +512,10 @@ def report(
             },
             "slowest_beside_noise": sorted(
                 (
-                    {"t": round(r.start - t0, 2), "ms": round((r.end - r.start) * 1000)}
+                    {
+                        "t": round(r.start - soak.noise_start, 2),
+                        "ms": round((r.end - r.start) * 1000),
+                    }
                     for r in soak.records
                     if r.tenant == "quiet" and r.kind == "beside-noise" and r.outcome == "ok"
                 ),
