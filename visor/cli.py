@@ -437,13 +437,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-# GNU OpenMP's waiting, set for the processes that run torch (libgomp reads it once, as torch
-# loads it). By default it spins ~300,000 times at a barrier, except once it manages more threads
-# than there are CPUs (it keeps a worker pool per thread that ran a parallel region: the core's
-# loading, model and encoder threads), when it spins 100 times and sleeps on a futex, so nearly
-# every barrier of a decode step pays a wake-up. Active waiting with a bounded count spins 1,000
-# times in that case and 20,000 otherwise: far below the default's worst case, so a spinning
-# worker cannot keep the event loop off a CPU for long (bench/results/HISTORY.md).
+# GNU OpenMP's waiting, set by every command; only processes that load torch read it (libgomp
+# reads it once, as torch loads it). By default it spins ~300,000 times at a barrier, except
+# once it manages more threads than there are CPUs (it keeps a worker pool per thread that ran a
+# parallel region: the core's loading, model and encoder threads), when it spins 100 times and
+# sleeps on a futex, so nearly every barrier of a decode step pays a wake-up. Active waiting
+# with a bounded count spins 1,000 times in that case and 20,000 otherwise: far below the
+# default's worst case, so a spinning worker cannot keep the event loop off a CPU for long
+# (bench/results/HISTORY.md).
 OPENMP_WAITS = {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "20000"}
 
 
