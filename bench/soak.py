@@ -49,7 +49,9 @@ WITHOUT_ERROR_INFO: list[str] = []
 @dataclass(frozen=True, slots=True)
 class SoakSettings:
     model: Path  # checkpoint the cores serve
-    seconds_alone: float = 30.0  # the quiet tenant alone (its baseline latencies)
+    # The quiet tenant alone (its baseline latencies), as long as beside the noise: each p99 is
+    # then the same rank of as many requests (over 60 requests it is a higher one than over 180).
+    seconds_alone: float = 90.0
     seconds_noisy: float = 90.0  # the quiet tenant beside the noisy one, faults injected
     settle_s: float = 15.0  # after the noise, before RSS / descriptors are read again
     quiet_interval_s: float = 0.5  # the quiet tenant starts one request this often

@@ -412,7 +412,12 @@ def parser() -> argparse.ArgumentParser:
     bg.set_defaults(fn=_bench_gateway)
     sk = bs.add_parser("soak", help="noisy-neighbour soak with faults; exits 1 if a target fails")
     sk.add_argument("--model", default="models/demo")
-    sk.add_argument("--seconds-alone", type=float, default=30.0)
+    sk.add_argument(
+        "--seconds-alone",
+        type=float,
+        default=90.0,
+        help="equal to --seconds-noisy, both p99s are the same rank",
+    )
     sk.add_argument("--seconds-noisy", type=float, default=90.0)
     sk.add_argument("--seed", type=int, default=0)
     sk.add_argument("--logs", default=".visor/soak", help="service logs and caches go here")
