@@ -180,8 +180,8 @@ def main(model: Path, repeats: int) -> int:
     tile = tile_size(model)
     cfg = GatewayConfig()
     pool = DecodePool(pool_settings(cfg, LimitsConfig()))
-    report = pool.start()
     runner = asyncio.Runner()
+    report = runner.run(pool.start())
     try:
         out: dict[str, Any] = {"bench": "gateway", "tile": tile, "repeats": repeats}
         out["pillow"] = pillow_build()

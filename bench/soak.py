@@ -554,6 +554,11 @@ def main(settings: SoakSettings, logs: Path, out: Path | None) -> int:
         result = asyncio.run(run(soak))
     finally:
         stop(soak)
+    with (logs / "records.jsonl").open("w") as f:  # every request, for reading a tail
+        for r in soak.records:
+            row = {**asdict(r), "t": round(r.start - soak.noise_start, 3)}
+            row["ms"] = round((row.pop("end") - row.pop("start")) * 1000, 1)
+            f.write(json.dumps(row) + "\n")
     text = json.dumps(result, indent=2, default=float)
     if out is not None:
         out.write_text(text + "\n")

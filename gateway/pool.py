@@ -88,6 +88,7 @@ def _spawn(settings: PoolSettings) -> _Worker:
     )
     proc = ctx.Process(target=worker.main, args=(child, args), name="visor-decode", daemon=True)
     proc.start()
+    sandbox.lower_priority(int(proc.pid or 0))
     child.close()
     try:
         if not parent.poll(START_TIMEOUT_S):
@@ -156,6 +157,7 @@ class DecodePool:
         self._arrivals = itertools.count()  # orders waiting jobs and hand-outs alike
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # where idle workers are watched
         self.report: dict[str, str] = {}
         self.exit_codes: collections.deque[int] = collections.deque(maxlen=64)  # for health/tests
         self.num_jobs: collections.Counter[str] = collections.Counter()  # sent to workers, by job
@@ -164,13 +166,14 @@ class DecodePool:
     def timeout_s(self) -> float:
         return self.settings.timeout_s
 
-    def start(self) -> dict[str, str]:
+    async def start(self) -> dict[str, str]:
         """Starts every worker now, before any server socket exists; returns the protections
         the first worker reports (all workers run the same code on the same host)."""
+        self._loop = asyncio.get_running_loop()
         for _ in range(self.settings.workers):
-            w = _spawn(self.settings)
+            w = await asyncio.to_thread(_spawn, self.settings)
             self._all[w.pid] = w
-            self._idle.append(w)
+            self._idle_push(w)
         self.report = next(iter(self._all.values())).report
         return self.report
 
@@ -201,7 +204,7 @@ class DecodePool:
         tenant = budget.tenant
         if self._idle and not self._num_waiting:
             self._held[tenant] += 1
-            return self._idle.pop()
+            return self._idle_pop()
         if self._num_waiting >= self.settings.max_queue:
             raise VisorError(Reason.OVERLOADED, "the decode queue is full; retry later")
         entry: _Entry = (next(self._arrivals), asyncio.get_running_loop().create_future())
@@ -228,7 +231,7 @@ class DecodePool:
                 self._forget(tenant)
         elif entry[1].done() and not entry[1].cancelled():
             self._unhold(tenant)
-            self._idle.append(entry[1].result())
+            self._idle_push(entry[1].result())
             self._dispatch()
 
     def _dispatch(self) -> None:
@@ -245,7 +248,28 @@ class DecodePool:
             if fut.done():  # its caller is gone
                 continue
             self._held[tenant] += 1
-            fut.set_result(self._idle.pop())
+            fut.set_result(self._idle_pop())
+
+    def _idle_push(self, w: _Worker) -> None:
+        """Makes `w` free for jobs, watched: a free worker says nothing until given a job, so
+        its pipe turning readable means it died (EOF) or misbehaves; either way it is replaced
+        then, not when a job next finds it dead."""
+        assert self._loop is not None
+        self._loop.add_reader(w.conn.fileno(), self._idle_spoke, w)
+        self._idle.append(w)
+
+    def _idle_pop(self) -> _Worker:
+        w = self._idle.pop()
+        assert self._loop is not None
+        self._loop.remove_reader(w.conn.fileno())
+        return w
+
+    def _idle_spoke(self, w: _Worker) -> None:
+        assert self._loop is not None
+        self._loop.remove_reader(w.conn.fileno())
+        self._idle.remove(w)
+        self._all.pop(w.pid, None)
+        self._track(self._loop.create_task(self._replace(w, died=True)))
 
     def _priority(self, tenant: str) -> tuple[int, int, int]:
         return self._held[tenant], self._turns.get(tenant, -1), self._waiting[tenant][0][0]
@@ -346,7 +370,7 @@ class DecodePool:
     def _release(self, w: _Worker, tenant: str, keep: bool) -> None:
         self._unhold(tenant)
         if keep and w.jobs < self.settings.max_jobs and not self._closed:
-            self._idle.append(w)
+            self._idle_push(w)
             self._dispatch()
             return
         self._all.pop(w.pid, None)
@@ -367,8 +391,12 @@ class DecodePool:
                 "decode_pool_error", error_type=type(exc).__name__, where=logs.error_site(exc)
             )
 
-    async def _replace(self, old: _Worker) -> None:
+    async def _replace(self, old: _Worker, died: bool = False) -> None:
         await asyncio.to_thread(_retire, old)
+        if died:
+            code = _exit_code(old.proc)  # reaped: returns at once
+            self.exit_codes.append(code)
+            log.warning("decoder_crashed", pid=old.pid, code=code, idle=True)
         while not self._closed:
             try:
                 new = await asyncio.to_thread(_spawn, self.settings)
@@ -380,7 +408,7 @@ class DecodePool:
                 await asyncio.to_thread(_retire, new)
                 return
             self._all[new.pid] = new
-            self._idle.append(new)
+            self._idle_push(new)
             self._dispatch()
             return
 
@@ -391,7 +419,10 @@ class DecodePool:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     def close(self) -> None:
+        """Kills every worker; on the pool's event loop, or once it no longer runs."""
         self._closed = True
+        while self._idle:
+            self._idle_pop()
         for w in list(self._all.values()):
             _retire(w)
         self._all.clear()

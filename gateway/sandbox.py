@@ -23,7 +23,7 @@ try:  # imported here, not lazily: after the rlimits it could no longer find lib
 except (ImportError, OSError, RuntimeError):  # no binding or no system libseccomp
     _sc = None
 
-WORKER_NICE = 10  # scheduling priority a decode worker lowers itself by
+WORKER_NICE = 10  # how far below the gateway's scheduling priority its decode workers run
 PROTECTIONS = ("rlimits", "no_new_privs", "seccomp", "netns", "unprivileged_uid")
 PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
@@ -134,6 +134,17 @@ class Policy:
     max_open_files: int  # RLIMIT_NOFILE: no descriptor at or above this number
 
 
+def lower_priority(pid: int) -> None:
+    """Runs process `pid` (a decode worker just started) `WORKER_NICE` below this process, from
+    its first milliseconds: starting a worker (interpreter, imports) costs ~0.5 s of CPU, and
+    that spent at the gateway's priority delays the answers it is relaying. Decoding likewise
+    yields the CPU to what it feeds (the gateway's event loop; on a shared host, the model): a
+    flood of large media slows other media, not answers. Lowering a priority needs no privilege."""
+    nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICE)
+    with contextlib.suppress(OSError):  # already gone: its job sees that
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
+
+
 @dataclass(frozen=True, slots=True)
 class Report:
     """Which protections are active in a worker, and why one is not."""
@@ -236,10 +247,6 @@ def harden(policy: Policy) -> Report:
         else:
             active.append(name)
 
-    # Decoding yields the CPU to what it feeds (the gateway's event loop relaying tokens; on a
-    # shared host, the model): a flood of large media slows other media, not answers.
-    with contextlib.suppress(OSError):
-        os.nice(WORKER_NICE)
     step("netns", _unshare_net())
     step("unprivileged_uid", _drop_uid())
     try:

@@ -52,11 +52,15 @@ def missing(report: dict[str, str]) -> list[str]:
 def check_sandbox(cfg: GatewayConfig, lim: LimitsConfig) -> int:
     """`visor gateway --check-sandbox`: starts one worker, prints what protects it, exits 0 when
     everything is active and 1 otherwise."""
-    pool = DecodePool(dataclasses.replace(pool_settings(cfg, lim), workers=1))
-    try:
-        report = pool.start()
-    finally:
-        pool.close()
+
+    async def start_one() -> dict[str, str]:
+        pool = DecodePool(dataclasses.replace(pool_settings(cfg, lim), workers=1))
+        try:
+            return await pool.start()
+        finally:
+            pool.close()
+
+    report = asyncio.run(start_one())
     for name in PROTECTIONS:
         print(f"{name:18} {report.get(name, 'missing: not reported')}")
     gaps = missing(report)
@@ -131,9 +135,9 @@ def return_big_buffers() -> None:
     libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD (fixing it also stops the dynamic growth)
 
 
-def _start_pool(cfg: GatewayConfig, lim: LimitsConfig, log: object) -> DecodePool:
+async def _start_pool(cfg: GatewayConfig, lim: LimitsConfig, log: object) -> DecodePool:
     pool = DecodePool(pool_settings(cfg, lim))
-    report = pool.start()
+    report = await pool.start()
     gaps = missing(report)
     log.info("sandbox", protections=report, workers=cfg.decode_workers, pid=pool.pids())  # type: ignore[attr-defined]
     if gaps and cfg.sandbox == "strict":
@@ -190,7 +194,7 @@ async def run(cfg: GatewayConfig, lim: LimitsConfig, config: ConfigFile, core_to
         )
     log.info("pillow", **pillow_build())
     tracing.configure("visor-gateway")  # before the core channels and the server take interceptors
-    pool = _start_pool(cfg, lim, log)
+    pool = await _start_pool(cfg, lim, log)
     router = Router(RouterSettings.from_config(cfg), partial(CoreClient, core_token=core_token))
     await router.start()
     quotas = Quotas(cfg.max_requests_in_flight)
@@ -219,7 +223,7 @@ async def run(cfg: GatewayConfig, lim: LimitsConfig, config: ConfigFile, core_to
 
     async def close() -> None:
         await router.close()
-        await asyncio.to_thread(pool.close)
+        pool.close()  # on the loop: it stops watching the idle workers
         await asyncio.to_thread(tracing.shutdown)
         log.info("gateway_stopped")
 

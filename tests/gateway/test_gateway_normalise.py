@@ -28,7 +28,7 @@ class Worker:
     def __init__(self) -> None:
         self.runner = asyncio.Runner()
         self.pool = DecodePool(PoolSettings(1, 10.0, 1000, 1 << 25, 1024 * MIB, 8 * MIB, 8))
-        self.pool.start()
+        self.runner.run(self.pool.start())
 
     def close(self) -> None:
         self.pool.close()

@@ -8,6 +8,8 @@ Ordering is asserted rather than wall-clock waits wherever the rule allows it.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -26,7 +28,7 @@ class Pool:
         self.runner = asyncio.Runner()
         settings = PoolSettings(workers, timeout_s, 1000, 1 << 25, 1024 * MIB, 8 * MIB, 64, True)
         self.pool = DecodePool(settings)
-        self.pool.start()
+        self.runner.run(self.pool.start())
 
     def sleep(self, seconds: float, budget: Budget | None = None) -> asyncio.Future[Reply]:
         """A job that holds its worker for `seconds`, started now (call inside the loop)."""
@@ -209,3 +211,24 @@ def test_a_cancel_while_waiting_leaves_the_queue(one: Pool) -> None:
 
     one.runner.run(scenario())
     assert one.pool.num_jobs["test:sleep"] == jobs_before + 2
+
+
+def test_a_worker_that_dies_between_jobs_is_replaced_before_a_job_needs_it(two: Pool) -> None:
+    before = two.settle()
+    os.kill(before[0], signal.SIGKILL)  # as an operator or the OOM killer would
+
+    async def replaced() -> list[int]:
+        while before[0] in two.pool.pids() or len(two.pool.pids()) < 2:
+            await asyncio.sleep(0.02)
+        await two.pool.drain()
+        return two.pool.pids()
+
+    after = two.runner.run(asyncio.wait_for(replaced(), 30))
+    assert before[1] in after and before[0] not in after
+    assert two.pool.exit_codes[-1] == -signal.SIGKILL
+    assert not two.pool.num_jobs  # no job ran, so none could have found it dead
+
+    async def both() -> list[Reply]:  # taken at once, so each from its own worker
+        return list(await asyncio.gather(*(two.pool.run("test:echo", {}, b"x") for _ in "ab")))
+
+    assert {r.body["pid"] for r in two.runner.run(both())} == set(after)

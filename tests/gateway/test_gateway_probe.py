@@ -27,7 +27,7 @@ class Worker:
     def __init__(self) -> None:
         self.runner = asyncio.Runner()
         self.pool = DecodePool(PoolSettings(1, 10.0, 1000, 1 << 25, 1024 * MIB, 8 * MIB, 8))
-        self.pool.start()
+        self.runner.run(self.pool.start())
 
     def probe(self, data: bytes, fmt: str) -> tuple[int, int, int]:
         body = self.runner.run(self.pool.run("probe", {**LIMITS, "fmt": fmt}, data)).body

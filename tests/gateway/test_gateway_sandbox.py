@@ -37,7 +37,7 @@ class Harness:
             workers, timeout_s, 1000, 1 << 25, 1024 * MIB, 8 * MIB, queue, test_jobs
         )
         self.pool = DecodePool(settings)
-        self.report = self.pool.start()
+        self.report = self.runner.run(self.pool.start())
 
     def run(self, job: str, args: dict[str, object] | None = None, data: bytes = b"") -> dict:
         return self.runner.run(self.pool.run(job, args or {}, data)).body  # type: ignore[no-any-return]

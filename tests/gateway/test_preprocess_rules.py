@@ -41,7 +41,7 @@ class Worker:
     def __init__(self) -> None:
         self.runner = asyncio.Runner()
         self.pool = DecodePool(PoolSettings(1, 30.0, 1000, 1 << 25, 1024 * MIB, 64 * MIB, 8))
-        self.pool.start()
+        self.runner.run(self.pool.start())
 
     def run(self, job: str, args: dict[str, Any], data: bytes) -> Any:
         return self.runner.run(self.pool.run(job, args, data))
