@@ -88,6 +88,7 @@ class UploadBytes:
 
     max_bytes: int  # cap on bytes held by unfinished uploads
     num_bytes: int = 0  # bytes they hold now
+    last_end: float = 0.0  # when an upload last ended (time.monotonic()); 0.0: none yet
 
     @contextmanager
     def hold(self) -> Iterator[Callable[[int], None]]:
@@ -110,3 +111,4 @@ class UploadBytes:
             yield take
         finally:
             self.num_bytes -= held
+            self.last_end = time.monotonic()

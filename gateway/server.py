@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import dataclasses
 import signal
+import time
 from collections.abc import Callable
 from functools import partial
 from importlib import metadata
@@ -120,19 +121,45 @@ def new_server(cfg: GatewayConfig) -> grpc.aio.Server:
     )
 
 
-def return_big_buffers() -> None:
+QUIET_UPLOADS_S = 5.0  # without an upload for this long, freed heap goes back to the system
+
+
+def return_big_buffers() -> ctypes.CDLL | None:
     """Media and uploads are buffers of several MiB that live for one request. glibc's dynamic
     mmap threshold would move them onto the heap after the first free, where they stay as
     resident memory after the request; a fixed threshold serves each from its own mapping,
     returned to the system when freed. It sits above upload chunks (1 MiB from our clients) and
     most messages, which the heap reuses: a fresh mapping faults in every page again, and
     receiving an 18 MB upload in 1 MiB chunks that way cost ~40 ms of the event loop instead of
-    ~14 (bench/results/HISTORY.md)."""
+    ~14. Fixing it also fixes the trim threshold, at 128 KiB unless set: an upload's chunks,
+    freed together, would leave the heap every time, and the next upload fault every page in
+    again. Up to 32 MiB of freed heap stays resident instead, which took a large upload's cost
+    to the gateway from ~60 to ~30-50 ms of CPU (bench/results/HISTORY.md), until
+    `trim_after_uploads` hands it back. One arena for all threads: malloc_trim cannot shrink the
+    top of another thread's arena, which kept up to 32 MiB each (~50 MB after a burst); the
+    gateway's threads mostly wait on sockets, not on malloc. Returns libc, or None."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
-        return
+        return None
     libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD (fixing it also stops the dynamic growth)
+    libc.mallopt(-1, 32 << 20)  # M_TRIM_THRESHOLD
+    libc.mallopt(-8, 1)  # M_ARENA_MAX
+    return libc
+
+
+async def trim_after_uploads(libc: ctypes.CDLL, uploads: UploadBytes) -> None:
+    """Once uploads have stopped for `QUIET_UPLOADS_S`, returns every arena's freed heap to the
+    system (once per quiet spell): a burst of uploads reuses its pages, and the memory it
+    leaves goes back after it."""
+    trimmed = 0.0
+    while True:
+        await asyncio.sleep(1.0)
+        last = uploads.last_end
+        quiet = time.monotonic() - last >= QUIET_UPLOADS_S and not uploads.num_bytes
+        if last > trimmed and quiet:
+            trimmed = last
+            await asyncio.to_thread(libc.malloc_trim, 0)
 
 
 async def _start_pool(cfg: GatewayConfig, lim: LimitsConfig, log: object) -> DecodePool:
@@ -183,7 +210,7 @@ def reloader(
 
 async def run(cfg: GatewayConfig, lim: LimitsConfig, config: ConfigFile, core_token: str) -> None:
     log = logs.get("gateway")
-    return_big_buffers()
+    libc = return_big_buffers()
     live = LiveTenants(tenants_from(config.data, cfg, lim))
     # Before any socket: from the first health check on, SIGHUP reloads instead of killing.
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reloader(config, cfg, lim, live))
@@ -199,6 +226,7 @@ async def run(cfg: GatewayConfig, lim: LimitsConfig, config: ConfigFile, core_to
     await router.start()
     quotas = Quotas(cfg.max_requests_in_flight)
     uploads = UploadBytes(cfg.max_upload_bytes_in_flight)
+    trimmer = None if libc is None else asyncio.create_task(trim_after_uploads(libc, uploads))
     receiving = Receiving(cfg.default_deadline_s, cfg.upload_idle_timeout_s)
     server = new_server(cfg)
     pipeline = Pipeline(pool, router, cfg.core_attempt_timeout_s, cfg.video, cfg.core_hedge_after_s)
@@ -222,6 +250,8 @@ async def run(cfg: GatewayConfig, lim: LimitsConfig, config: ConfigFile, core_to
     )
 
     async def close() -> None:
+        if trimmer is not None:
+            trimmer.cancel()
         await router.close()
         pool.close()  # on the loop: it stops watching the idle workers
         await asyncio.to_thread(tracing.shutdown)

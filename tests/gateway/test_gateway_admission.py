@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from gateway.server import QUIET_UPLOADS_S
 from shared import procs
 from shared.proto import gateway_pb2
 from tests.conftest import OTHER_KEY, Stack, free_port
@@ -290,7 +291,7 @@ def test_refused_uploads_get_their_reason_and_do_not_keep_their_bytes(
     (not gRPC's reset of a stream closed under its writes: the gateway drains for a moment), and
     the refused bytes are freed: after a warm-up, more rounds of refusals leave the gateway's RSS
     where it was (kept bytes would add 20 MiB a refusal; the allocator's own plateau does not
-    grow)."""
+    grow), and once uploads stop for `QUIET_UPLOADS_S` the RSS is back where it started."""
     listen = f"127.0.0.1:{free_port()}"
     env = {**stack.env, "VISOR_GATEWAY_LISTEN": listen, "VISOR_GATEWAY_DECODE_WORKERS": "1"}
     proc = procs.start("gateway", env, stack.logs / "visor.toml", tmp_path / "gw.log")
@@ -299,6 +300,7 @@ def test_refused_uploads_get_their_reason_and_do_not_keep_their_bytes(
     rss: list[float] = []
     try:
         procs.wait_healthy(listen, proc, timeout_s=60)
+        before = _settled_rss_kib(proc.pid) / 1024
         with grpc.insecure_channel(listen) as channel:
             for _ in range(5):
                 uploads = [Upload(channel, oversize) for _ in range(8)]
@@ -307,9 +309,12 @@ def test_refused_uploads_get_their_reason_and_do_not_keep_their_bytes(
                     u.close()
                 assert [o.reason for o in outcomes] == ["MEDIA_TOO_LARGE"] * 8, outcomes
                 rss.append(_settled_rss_kib(proc.pid) / 1024)
+        time.sleep(QUIET_UPLOADS_S + 1.0)  # uploads have stopped: the gateway trims its heap
+        after = _settled_rss_kib(proc.pid) / 1024
     finally:
         procs.stop(proc)
-    # Rounds 3 to 5: 24 refusals, ~480 MB if their bytes were kept. gRPC's threads' malloc arenas
-    # keep some of a round's receive buffers (30-100 MB here, varying run to run), reached by the
-    # warm-up rounds.
+    # Rounds 3 to 5: 24 refusals, ~480 MB if their bytes were kept. While uploads keep coming
+    # the heap keeps the pages a round freed, for the next round (reached by the warm-up rounds).
     assert rss[-1] - max(rss[:2]) < 120, f"gateway RSS after each round (MB): {rss}"
+    # Once they stop, it hands them back: the gateway is where it was before the first upload.
+    assert after - before < 32, f"RSS before uploads {before:.0f} MB, after them {after:.0f} MB"
