@@ -442,6 +442,27 @@ def fault_windows(faults: list[dict[str, Any]]) -> list[tuple[float, float]]:
     return out
 
 
+def _beside(
+    quiet: Record, records: list[Record], windows: list[tuple[float, float]], noise_start: float
+) -> dict[str, Any]:
+    """One of the quiet tenant's slow requests and what it ran beside: whether it overlapped a
+    fault window, and the noisy requests (by kind; stalled uploads left out, they only wait)
+    that started in the half second before it or while it ran."""
+    near = Counter(
+        r.kind
+        for r in records
+        if r.tenant == "noisy"
+        and r.kind != "stall"
+        and quiet.start - 0.5 <= r.start <= quiet.end
+    )  # fmt: skip
+    return {
+        "t": round(quiet.start - noise_start, 2),
+        "ms": round((quiet.end - quiet.start) * 1000),
+        "in_fault_window": any(a <= quiet.end and quiet.start <= b for a, b in windows),
+        "noisy_started_near": dict(sorted(near.items())),
+    }
+
+
 def report(
     soak: Soak, baseline: dict[str, dict[str, float]], final: dict[str, dict[str, float]], t0: float
 ) -> dict[str, Any]:
@@ -512,17 +533,17 @@ def report(
                 "p99_ms": _pct(calm, 0.99),
                 "p99_ratio": round(_pct(calm, 0.99) / p99_alone, 3) if p99_alone else None,
             },
-            "slowest_beside_noise": sorted(
-                (
-                    {
-                        "t": round(r.start - soak.noise_start, 2),
-                        "ms": round((r.end - r.start) * 1000),
-                    }
-                    for r in soak.records
-                    if r.tenant == "quiet" and r.kind == "beside-noise" and r.outcome == "ok"
-                ),
-                key=lambda x: -x["ms"],
-            )[:5],
+            "slowest_beside_noise": [
+                _beside(r, soak.records, windows, soak.noise_start)
+                for r in sorted(
+                    (
+                        r
+                        for r in soak.records
+                        if r.tenant == "quiet" and r.kind == "beside-noise" and r.outcome == "ok"
+                    ),
+                    key=lambda r: r.start - r.end,
+                )[:5]
+            ],
             "lost": lost,
             "excused_in_flight_on_killed_core": excused,
         },
