@@ -66,12 +66,14 @@ async def first_to_answer(
     attempt: Attempt[C, T],
     hedge_s: float,
     failed: Callable[[C], None],
+    outrun: Callable[[C], None] = lambda _: None,
 ) -> AsyncIterator[T]:
     """Yields the events of the attempt that claims first; takes cores from the front of `cores`
     as it starts attempts. A core whose attempt fails unreachable before any claim is passed to
     `failed` and the next is tried; when the winner fails, `failed` is called and the error
     raised (the caller decides whether another core may still answer). Any other refusal is the
-    core's answer and is raised as it is."""
+    core's answer and is raised as it is. A core whose attempt, started earlier, is still
+    waiting when a later one claims is passed to `outrun`."""
     queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
     started: list[C] = []
     tasks: list[asyncio.Task[None]] = []
@@ -82,6 +84,8 @@ async def first_to_answer(
             winner.append(n)
             for m, task in enumerate(tasks):
                 if m != n:
+                    if m < n and not task.done():
+                        outrun(started[m])
                     task.cancel()
         return winner[0] == n
 

@@ -197,7 +197,12 @@ class Pipeline:
         while cores:
             streamed = False
             try:
-                answers = hedging.first_to_answer(cores, attempt, self.hedge(), failed)
+                # A core being checked out of turn (it let a hedge win) may be hung: ask the
+                # next core at once too.
+                hedge_s = 0.0 if self.router.suspected(cores[0]) else self.hedge()
+                answers = hedging.first_to_answer(
+                    cores, attempt, hedge_s, failed, self.router.suspect
+                )
                 async for event in answers:
                     streamed = streamed or isinstance(event, Delta)
                     yield event

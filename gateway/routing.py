@@ -73,12 +73,13 @@ class RouterSettings:
 class _Endpoint:
     """One core address, its client and whether it may take requests."""
 
-    __slots__ = ("client", "healthy", "target")
+    __slots__ = ("checking", "client", "healthy", "target")
 
     def __init__(self, client: CoreClient, target: str) -> None:
         self.client = client
         self.target = target  # the config entry it came from
         self.healthy = False  # up only after a SERVING check and a Describe
+        self.checking: asyncio.Task[None] | None = None  # a check out of turn, while it runs
 
     @property
     def identity(self) -> str:
@@ -139,6 +140,22 @@ class Router:
             metrics.CORES_HEALTHY.set(len(self.healthy()))
             log.warning("core_down", address=client.address, reason="UNAVAILABLE")
 
+    def suspect(self, client: CoreClient) -> None:
+        """A hedge outran `client`'s handshake: it may have just hung. Checks it now rather
+        than at the next round (a hung core is marked down within `health_timeout_s`, so the
+        requests it owns stop paying a hedge delay each); a core that was only slow once passes
+        the check in milliseconds and keeps its requests."""
+        endpoint = self._endpoints.get(client.address)
+        if endpoint is None or not endpoint.healthy or endpoint.checking is not None:
+            return
+        endpoint.checking = asyncio.create_task(self._check_now(endpoint))
+
+    def suspected(self, client: CoreClient) -> bool:
+        """Whether `client` is being checked out of turn: a request it owns asks the next core
+        at once too, rather than after the hedge delay."""
+        endpoint = self._endpoints.get(client.address)
+        return endpoint is not None and endpoint.checking is not None
+
     def healthy(self) -> list[str]:
         return sorted(a for a, e in self._endpoints.items() if e.healthy)
 
@@ -150,6 +167,10 @@ class Router:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        checks = [e.checking for e in self._endpoints.values() if e.checking is not None]
+        for task in checks:
+            task.cancel()
+        await asyncio.gather(*checks, return_exceptions=True)
         for client in [*(e.client for e in self._endpoints.values()), *self._retired]:
             await client.close()
 
@@ -164,6 +185,13 @@ class Router:
     async def _check_all(self) -> None:
         await asyncio.gather(*(self._check(e) for e in list(self._endpoints.values())))
         metrics.CORES_HEALTHY.set(len(self.healthy()))
+
+    async def _check_now(self, endpoint: _Endpoint) -> None:
+        try:
+            await self._check(endpoint)
+            metrics.CORES_HEALTHY.set(len(self.healthy()))
+        finally:
+            endpoint.checking = None
 
     async def _check(self, endpoint: _Endpoint) -> None:
         timeout = self.settings.health_timeout_s
