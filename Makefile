@@ -72,7 +72,7 @@ SECONDS ?= 300
 fuzz: $(STAMP)
 	$(BIN)/python -m tests.gateway.fuzz_media --seconds $(SECONDS) --workdir .visor/fuzz
 
-# The noisy-neighbour soak (about 4 minutes): one JSON report, also written to bench/results/.
+# The noisy-neighbour soak (about 16 minutes): one JSON report, also written to bench/results/.
 soak: $(STAMP) protos $(MODEL)/config.json
 	$(BIN)/visor bench soak --model $(MODEL) --out bench/results/soak.json
 

@@ -415,10 +415,10 @@ def parser() -> argparse.ArgumentParser:
     sk.add_argument(
         "--seconds-alone",
         type=float,
-        default=90.0,
+        default=450.0,
         help="equal to --seconds-noisy, both p99s are the same rank",
     )
-    sk.add_argument("--seconds-noisy", type=float, default=90.0)
+    sk.add_argument("--seconds-noisy", type=float, default=450.0)
     sk.add_argument("--seed", type=int, default=0)
     sk.add_argument("--logs", default=".visor/soak", help="service logs and caches go here")
     sk.add_argument("--out", default="", help="also write the JSON report to this file")
