@@ -462,6 +462,11 @@ def fault_windows(faults: list[dict[str, Any]]) -> list[tuple[float, float]]:
     return out
 
 
+def _in_window(r: Record, windows: list[tuple[float, float]]) -> bool:
+    """Whether request `r` overlapped any of the fault `windows`."""
+    return any(a <= r.end and r.start <= b for a, b in windows)
+
+
 def _beside(
     quiet: Record, records: list[Record], windows: list[tuple[float, float]], noise_start: float
 ) -> dict[str, Any]:
@@ -478,7 +483,7 @@ def _beside(
     return {
         "t": round(quiet.start - noise_start, 2),
         "ms": round((quiet.end - quiet.start) * 1000),
-        "in_fault_window": any(a <= quiet.end and quiet.start <= b for a, b in windows),
+        "in_fault_window": _in_window(quiet, windows),
         "noisy_started_near": dict(sorted(near.items())),
     }
 
@@ -511,13 +516,17 @@ def report(
         if r.outcome == "ok":
             lat[r.kind].append((r.end - r.start) * 1000)
             if r.kind == "beside-noise":
-                hit = any(a <= r.end and r.start <= b for a, b in windows)
-                (faulted if hit else calm).append((r.end - r.start) * 1000)
+                (faulted if _in_window(r, windows) else calm).append((r.end - r.start) * 1000)
         elif kill_at is not None and r.start <= kill_at <= r.end:
             excused += 1  # in flight on the core that was killed
         else:
             lost.append({"t": round(r.start - soak.noise_start, 2), "outcome": r.outcome})
-    p99_alone, p99_noisy = _pct(lat["alone"], 0.99), _pct(lat["beside-noise"], 0.99)
+    alone, noisy, outside = (
+        _latencies(lat["alone"]),
+        _latencies(lat["beside-noise"]),
+        _latencies(calm),
+    )
+    p99_alone = alone["p99_ms"]
     returned = {
         name: {
             "rss": final[name]["rss_mb"] <= max(1.25 * base["rss_mb"], base["rss_mb"] + 64),
@@ -526,7 +535,7 @@ def report(
         for name, base in baseline.items()
         if name in final
     }
-    ratio = p99_noisy / p99_alone if p99_alone else float("nan")
+    ratio = noisy["p99_ms"] / p99_alone if p99_alone else float("nan")
     return {
         "bench": "soak",
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(s).items()},
@@ -536,12 +545,12 @@ def report(
         "outcomes": {t: dict(c) for t, c in outcomes.items()},
         "noisy_by_kind": {k: dict(c) for k, c in sorted(by_kind.items())},
         "quiet": {
-            "alone": _latencies(lat["alone"]),
-            "beside_noise": _latencies(lat["beside-noise"]),
+            "alone": alone,
+            "beside_noise": noisy,
             "p99_ratio": round(ratio, 3),
             "outside_fault_windows": {
-                **_latencies(calm),
-                "p99_ratio": round(_pct(calm, 0.99) / p99_alone, 3) if p99_alone else None,
+                **outside,
+                "p99_ratio": round(outside["p99_ms"] / p99_alone, 3) if p99_alone else None,
             },
             # What the faults cost, whatever share of the run their windows are: the longer the
             # noise, the fewer of the requests that p99 ranks overlap one.

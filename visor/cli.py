@@ -235,9 +235,11 @@ def _bench_soak(args: argparse.Namespace) -> int:
     from bench import soak
 
     logs.configure("bench", "warning")
-    settings = soak.SoakSettings(
-        Path(args.model), args.seconds_alone, args.seconds_noisy, seed=args.seed
-    )
+    # Phase lengths left out keep SoakSettings' defaults (one place says how long a soak runs).
+    phases = {
+        k: v for k in ("seconds_alone", "seconds_noisy") if (v := getattr(args, k)) is not None
+    }
+    settings = soak.SoakSettings(Path(args.model), seed=args.seed, **phases)
     out = Path(args.out) if args.out else None
     return soak.main(settings, Path(args.logs), out)
 
@@ -415,10 +417,9 @@ def parser() -> argparse.ArgumentParser:
     sk.add_argument(
         "--seconds-alone",
         type=float,
-        default=450.0,
-        help="equal to --seconds-noisy, both p99s are the same rank",
+        help="default 450; equal to --seconds-noisy, both p99s are the same rank",
     )
-    sk.add_argument("--seconds-noisy", type=float, default=450.0)
+    sk.add_argument("--seconds-noisy", type=float, help="default 450")
     sk.add_argument("--seed", type=int, default=0)
     sk.add_argument("--logs", default=".visor/soak", help="service logs and caches go here")
     sk.add_argument("--out", default="", help="also write the JSON report to this file")
