@@ -373,6 +373,33 @@ def exact_rows(weight: torch.Tensor) -> bool:
     return _EXACT[key]
 
 
+# Read once: dynamo breaks the graph at the call.
+_ONEDNN = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+
+
+def _onednn_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        _ONEDNN
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype
+        and weight.dtype in (torch.float32, torch.bfloat16)
+    )
+
+
+@torch.library.custom_op("visor::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` on the CPU through oneDNN, on the weight as it is (no layout of its own): faster
+    than MKL's GEMM at every row count we run, on one thread and two (HISTORY.md). An op of its
+    own because inductor lowers oneDNN's linear only for weights it laid out itself (freezing);
+    so a compiled step calls it as it is."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 PACKED = "visor_packed_weight"  # attribute of a linear layer whose weight `pack_linears` laid out
 
 
@@ -385,7 +412,7 @@ def pack_linears(model: VisionLanguageModel) -> int:
     an empty one, so memory stays the same (a weight shared with the embeddings stays there).
     Returns the layers packed: none when oneDNN is missing or the weights are not float32 /
     bfloat16 on the CPU."""
-    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+    if not _ONEDNN:
         return 0
     modules = [*cast(nn.Module, model.language_model).modules(), model.lm_head]
     linears = [m for m in modules if isinstance(m, nn.Linear)]
@@ -420,6 +447,8 @@ def linear(layer: nn.Linear, x: torch.Tensor, batch_invariant: bool = True) -> t
         packed = getattr(layer, PACKED, None)
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
+        if _onednn_takes(x, layer.weight):
+            return onednn_linear(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
     if rows < TILE:
         x = torch.cat([x, x.new_zeros(TILE - rows, x.shape[1])])

@@ -169,19 +169,24 @@ def test_the_padded_path_needs_the_fast_mode() -> None:
 
 
 def test_a_compiled_step_gives_the_eager_logits() -> None:
-    """torch.compile (inductor, CPU) of three steps over two buckets: the eager padded path's
-    logits and keys (inductor fuses differently: within 1e-5)."""
+    """torch.compile (inductor, CPU) of four steps over three buckets, one with more rows than
+    become reductions: the eager padded path's logits and keys (inductor fuses differently:
+    within 1e-5), each bucket one graph (a graph break runs the rest of the step eagerly)."""
     model = TinyModel(*VARIANTS["mrope+window+global+images"])
     kv = _kv(model)
     eager_kv = _clone(kv)
     eager = DecodeGraphs(model, eager_kv, BUCKETS, capture=False)  # type: ignore[arg-type]
     graphs = DecodeGraphs(model, kv, BUCKETS, capture=False, compile=True)  # type: ignore[arg-type]
-    for seed in (3, 4, 3):
-        chunks, embeds = _decode_batch(model, 3, seed)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    for size, seed in ((3, 3), (3, 4), (3, 3), (paged.REDUCTION_ROWS + 2, 5)):
+        chunks, embeds = _decode_batch(model, size, seed)
         want, got = eager.run(embeds, chunks), graphs.run(embeds, chunks)
         assert want is not None and got is not None and graphs.compiled
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert len(graphs.shapes) == 2
+    assert len(graphs.shapes) == 3
+    assert graphs.shapes[-1].rows > paged.REDUCTION_ROWS
+    assert not counters["graph_break"], dict(counters["graph_break"])
     for ours, theirs in zip(
         (*kv.keys, *kv.values), (*eager_kv.keys, *eager_kv.values), strict=True
     ):

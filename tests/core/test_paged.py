@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from core.model import demo, llava, paged
 
@@ -199,18 +200,50 @@ def test_onednn_laid_out_weights_give_the_plain_weights_logits(
 
 
 def test_a_compiled_cpu_step_writes_small_gemms_as_reductions() -> None:
-    """Traced by torch.compile on the CPU, `linear` of up to `REDUCTION_ROWS` rows becomes a
-    reduction inductor emits itself (no GEMM library call); more rows stay one GEMM. Both give
-    `F.linear`'s values."""
+    """Traced by torch.compile on the CPU (one graph), `linear` of up to `REDUCTION_ROWS` rows
+    becomes a reduction inductor emits itself (no GEMM library call); more rows stay one GEMM,
+    oneDNN's on the weight as it is. Both give `F.linear`'s values."""
     from torch._inductor.utils import run_and_get_code
 
     layer = torch.nn.Linear(64, 48)
-    step = torch.compile(lambda x: paged.linear(layer, x, batch_invariant=False), dynamic=False)
+    step = torch.compile(
+        lambda x: paged.linear(layer, x, batch_invariant=False), dynamic=False, fullgraph=True
+    )
     rows = paged.REDUCTION_ROWS
     with torch.no_grad():
         for n, reduced in ((1, True), (rows, True), (rows + 1, False)):
             x = torch.randn(n, 64)
             got, code = run_and_get_code(step, x)
             torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
-            gemm = re.search(r"extern_kernels\.\w*mm\(", "\n".join(code))  # mm or addmm
+            gemm = re.search(r"extern_kernels\.\w*mm\(|visor\.onednn_linear", "\n".join(code))
             assert (gemm is None) is reduced, n
+            if not reduced and torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+                assert "visor.onednn_linear" in gemm.group(0)
+
+
+def test_an_unpacked_cpu_linear_runs_on_onednn_with_f_linears_values() -> None:
+    """Fast mode without laid-out weights (a compiled engine's prefill steps): oneDNN on the
+    weight as it is, float32 and bfloat16, with and without a bias."""
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        pytest.skip("torch built without oneDNN: F.linear is the path")
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        for bias in (True, False):
+            layer = torch.nn.Linear(96, 40, bias=bias).to(dtype)
+            x = torch.randn(37, 96, dtype=dtype)
+            with torch.no_grad(), _Ops() as ops:
+                got = paged.linear(layer, x, batch_invariant=False)
+            assert ops.names == ["visor.onednn_linear.default"]
+            want = F.linear(x, layer.weight, layer.bias)
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+class _Ops(TorchDispatchMode):
+    """The ops run under it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
