@@ -430,8 +430,9 @@ def pack_linears(model: VisionLanguageModel) -> int:
 def linear(layer: nn.Linear, x: torch.Tensor, batch_invariant: bool = True) -> torch.Tensor:
     """`layer(x)`; batch-invariant, such that each row's result is the same whatever else is in
     `x`: at least `TILE` rows (zero-padded), in one call where `exact_rows` allows, else on
-    `TILE`-row tiles. A layer `pack_linears` laid out (fast mode only) runs on oneDNN; a step
-    torch.compile traces on the CPU writes up to `REDUCTION_ROWS` rows as a reduction."""
+    `TILE`-row tiles. Fast mode on the CPU: a step torch.compile traces writes up to
+    `REDUCTION_ROWS` rows as a reduction; otherwise a layer `pack_linears` laid out runs on
+    oneDNN, and so does any other float32 / bfloat16 weight, as it is (`onednn_linear`)."""
     rows = x.shape[0]
     if not batch_invariant:
         if rows <= REDUCTION_ROWS and x.device.type == "cpu" and torch.compiler.is_compiling():
