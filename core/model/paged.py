@@ -377,12 +377,10 @@ def exact_rows(weight: torch.Tensor) -> bool:
 _ONEDNN = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
 
 
-def _onednn_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _onednn_takes(weight: torch.Tensor) -> bool:
+    """Whether oneDNN's linear runs on this weight: float32 or bfloat16, on the CPU."""
     return (
-        _ONEDNN
-        and x.device.type == "cpu"
-        and x.dtype == weight.dtype
-        and weight.dtype in (torch.float32, torch.bfloat16)
+        _ONEDNN and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
     )
 
 
@@ -412,14 +410,12 @@ def pack_linears(model: VisionLanguageModel) -> int:
     an empty one, so memory stays the same (a weight shared with the embeddings stays there).
     Returns the layers packed: none when oneDNN is missing or the weights are not float32 /
     bfloat16 on the CPU."""
-    if not _ONEDNN:
-        return 0
     modules = [*cast(nn.Module, model.language_model).modules(), model.lm_head]
     linears = [m for m in modules if isinstance(m, nn.Linear)]
     packed = 0
     for module in linears:
         weight = module.weight.detach()
-        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        if not _onednn_takes(weight):
             continue
         setattr(module, PACKED, torch.ops.mkldnn._reorder_linear_weight(weight, None))
         module.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
@@ -448,7 +444,7 @@ def linear(layer: nn.Linear, x: torch.Tensor, batch_invariant: bool = True) -> t
         packed = getattr(layer, PACKED, None)
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
-        if _onednn_takes(x, layer.weight):
+        if _onednn_takes(layer.weight) and x.dtype == layer.weight.dtype:
             return onednn_linear(x, layer.weight, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
     if rows < TILE:
